@@ -1,0 +1,49 @@
+"""snowflake: unique, time-ordered 64-bit ids over Thrift, Twitter Snowflake compatible.
+
+The public surface is re-exported here; modules whose names start with an
+underscore, and names not listed in ``__all__``, may change without notice.
+"""
+
+from __future__ import annotations
+
+from .client import SnowflakeClient
+from .errors import (
+    ClockMovedBackwardsError,
+    ConfigurationError,
+    InvalidCountError,
+    InvalidUserAgentError,
+    RequestError,
+    SnowflakeError,
+)
+from .generator import (
+    DEFAULT_LAYOUT,
+    TWITTER_EPOCH_MS,
+    DecodedId,
+    GeneratorSettings,
+    IdGenerator,
+    Layout,
+    compose,
+    decompose,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_LAYOUT",
+    "TWITTER_EPOCH_MS",
+    "ClockMovedBackwardsError",
+    "ConfigurationError",
+    "DecodedId",
+    "GeneratorSettings",
+    "IdGenerator",
+    "InvalidCountError",
+    "InvalidUserAgentError",
+    "Layout",
+    "RequestError",
+    "SnowflakeClient",
+    "SnowflakeError",
+    "TimestampOverflowError",
+    "__version__",
+    "compose",
+    "decompose",
+]

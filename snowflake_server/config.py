@@ -1,0 +1,219 @@
+"""Server settings from flags, ``SNOWFLAKE_*`` environment variables or a TOML file.
+
+One table, :data:`OPTIONS`, defines every setting once; it drives the flags,
+the environment variable names, the file keys and ``--help``. Precedence:
+flag, then environment, then file (``--config`` / ``SNOWFLAKE_CONFIG``), then
+default. Nothing is read at import time: call :func:`load_settings`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigurationError
+from .generator import TWITTER_EPOCH_MS, GeneratorSettings, Layout
+
+__all__ = ["OPTIONS", "Option", "ServerSettings", "build_parser", "load_settings"]
+
+ENV_PREFIX = "SNOWFLAKE_"
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Everything a server process needs to start; validated as a whole by
+    :meth:`generator_settings` and by the server when it binds."""
+
+    host: str = "127.0.0.1"
+    port: int = 7609
+    transport: str = "framed"
+    idle_timeout: float = 600.0
+    datacenter_id: int = 0
+    worker_id: int = 0
+    epoch: int = TWITTER_EPOCH_MS
+    timestamp_bits: int = 41
+    datacenter_id_bits: int = 5
+    worker_id_bits: int = 5
+    sequence_bits: int = 12
+    max_backwards_ms: int = 5
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9990
+    max_agents: int = 100
+    log_level: str = "info"
+
+    def layout(self) -> Layout:
+        return Layout(
+            epoch_ms=self.epoch,
+            timestamp_bits=self.timestamp_bits,
+            datacenter_id_bits=self.datacenter_id_bits,
+            worker_id_bits=self.worker_id_bits,
+            sequence_bits=self.sequence_bits,
+        )
+
+    def generator_settings(self) -> GeneratorSettings:
+        return GeneratorSettings(
+            datacenter_id=self.datacenter_id,
+            worker_id=self.worker_id,
+            layout=self.layout(),
+            max_backwards_ms=self.max_backwards_ms,
+        )
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be in 0..65535")
+    return value
+
+
+def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < 0:
+            raise ValueError("must not be negative")
+        return value
+
+    return parse
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}")
+        return text
+
+    return parse
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting: its field in ``ServerSettings``, how to parse it, what it does."""
+
+    name: str
+    parse: Callable[[str], Any]
+    help: str
+    metavar: str = ""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("host", str, "Address to serve Thrift on; 0.0.0.0 for every interface.", "ADDR"),
+    Option("port", _port, "Thrift port; 0 picks a free one (printed at start).", "PORT"),
+    Option("transport", _choice("framed", "buffered"),
+           "Thrift transport: framed (what Twitter's clients speak) or buffered.",
+           "{framed,buffered}"),
+    Option("idle_timeout", _non_negative(float),
+           "Close a client connection idle for this many seconds; 0 never.", "SECONDS"),
+    Option("datacenter_id", int, "Datacenter id of this server (0..31 by default).", "N"),
+    Option("worker_id", int, "Worker id of this server, unique within its datacenter.", "N"),
+    Option("epoch", int, "Epoch of the ids' timestamps, in ms since the Unix epoch.", "MS"),
+    Option("timestamp_bits", int, "Bits of an id holding ms since the epoch.", "N"),
+    Option("datacenter_id_bits", int, "Bits of an id holding the datacenter id.", "N"),
+    Option("worker_id_bits", int, "Bits of an id holding the worker id.", "N"),
+    Option("sequence_bits", int, "Bits of an id holding the per-ms sequence.", "N"),
+    Option("max_backwards_ms", _non_negative(int),
+           "A clock step back of at most this many ms is waited out; a larger one is "
+           "refused with InvalidSystemClock. 0: always refuse (Twitter's behaviour).", "MS"),
+    Option("metrics_host", str, "Address of the Prometheus metrics and health endpoint.", "ADDR"),
+    Option("metrics_port", _port, "Port of /metrics and /health; 0 picks a free one.", "PORT"),
+    Option("max_agents", _non_negative(int),
+           "Distinct user agents that get their own metrics label; the rest share one.", "N"),
+    Option("log_level", _choice(*_LOG_LEVELS), "Logging threshold.",
+           "{" + ",".join(_LOG_LEVELS) + "}"),
+)  # fmt: skip
+
+_BY_NAME = {option.name: option for option in OPTIONS}
+_DEFAULTS = ServerSettings()
+assert set(_BY_NAME) == {f.name for f in fields(ServerSettings)}, "OPTIONS, ServerSettings differ"
+
+
+def build_parser(prog: str = "snowflake-server") -> argparse.ArgumentParser:
+    """The ``snowflake-server`` argument parser; every flag also has an environment variable."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve unique, time-ordered 64-bit ids over Thrift (Twitter Snowflake "
+        "compatible). Precedence: flag, environment, config file, default.",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"TOML file of settings, keys as the flags without '--' (env {ENV_PREFIX}CONFIG)",
+    )
+    for option in OPTIONS:
+        parser.add_argument(
+            option.flag,
+            dest=option.name,
+            metavar=option.metavar or None,
+            default=None,
+            help=f"{option.help} (env {option.env}; default {getattr(_DEFAULTS, option.name)})",
+        )
+    return parser
+
+
+def _convert(option: Option, value: object, source: str) -> Any:
+    try:
+        if isinstance(value, str):
+            return option.parse(value)
+        default = getattr(_DEFAULTS, option.name)
+        # TOML values come typed: accept an int where a float is due, nothing looser.
+        if isinstance(value, bool) or not isinstance(value, (type(default), int)):
+            raise ValueError(f"must be a {type(default).__name__}")
+        return option.parse(str(value))
+    except ValueError as e:
+        raise ConfigurationError(f"{source}: invalid value {value!r}: {e}") from None
+
+
+def _read_file(path: str) -> dict[str, object]:
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigurationError(f"config file {path}: cannot read: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigurationError(f"config file {path}: not valid TOML: {e}") from None
+    out: dict[str, object] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in _BY_NAME:
+            raise ConfigurationError(f"config file {path}: unknown setting {key!r}")
+        out[name] = value
+    return out
+
+
+def load_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> ServerSettings:
+    """Build the settings from ``argv`` (flags), ``environ`` and the config file.
+
+    Raises ``ConfigurationError`` naming the flag, variable or file key at fault;
+    argparse exits for ``--help`` and for unknown flags.
+    """
+    environ = {} if environ is None else environ
+    args = build_parser().parse_args(argv)
+    config_path = args.config or environ.get(ENV_PREFIX + "CONFIG")
+    from_file = _read_file(config_path) if config_path else {}
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        flag_value = getattr(args, option.name)
+        if flag_value is not None:
+            values[option.name] = _convert(option, flag_value, option.flag)
+        elif option.env in environ:
+            values[option.name] = _convert(option, environ[option.env], option.env)
+        elif option.name in from_file:
+            values[option.name] = _convert(
+                option, from_file[option.name], f"config file {config_path}: {option.name}"
+            )
+    settings = ServerSettings(**values)
+    settings.generator_settings()  # validates the layout and ids before anything starts
+    return settings

@@ -1,0 +1,338 @@
+"""The id generator: pure logic, no I/O.
+
+Time is an input: an ``IdGenerator`` reads the time only through the ``clock``
+it is given (ms since the Unix epoch) and waits only through the ``sleep`` it
+is given, so tests drive it with a fake clock and servers with the real one.
+
+Layout of an id with the default :class:`Layout` (Twitter's)::
+
+     63 62                                 22 21     17 16     12 11           0
+    +--+-------------------------------------+---------+---------+-------------+
+    |0 |  41 bits: ms since epoch            | 5: dc   | 5: wkr  | 12: sequence|
+    +--+-------------------------------------+---------+---------+-------------+
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from .errors import (
+    ClockMovedBackwardsError,
+    ConfigurationError,
+    InvalidCountError,
+    TimestampOverflowError,
+)
+
+__all__ = [
+    "DEFAULT_LAYOUT",
+    "TWITTER_EPOCH_MS",
+    "DecodedId",
+    "GeneratorSettings",
+    "IdGenerator",
+    "Layout",
+    "compose",
+    "decompose",
+    "wall_clock_ms",
+]
+
+TWITTER_EPOCH_MS = 1288834974657
+"""2010-11-04T01:42:54.657Z, the epoch of Twitter's ids."""
+
+_ID_BITS = 63  # the sign bit stays 0 so ids are positive in every language's i64
+
+
+def wall_clock_ms() -> int:
+    """The system's wall clock in whole ms since the Unix epoch."""
+    return time.time_ns() // 1_000_000
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    # bool is an int subclass; True as a worker id is a bug, not a 1.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ConfigurationError(f"{name} must be in {low}..{high}, got {value}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedId:
+    """The parts of an id. ``timestamp_ms`` is ms since the Unix epoch."""
+
+    id: int
+    timestamp_ms: int
+    datacenter_id: int
+    worker_id: int
+    sequence: int
+
+    @property
+    def datetime(self) -> datetime:
+        """When the id was made, as an aware UTC datetime."""
+        return datetime.fromtimestamp(self.timestamp_ms / 1000, tz=UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How ids are packed: an epoch and the width of each field.
+
+    Defaults are Twitter's. All widths together must fit 63 bits, so ids stay
+    positive signed 64-bit integers.
+    """
+
+    epoch_ms: int = TWITTER_EPOCH_MS
+    timestamp_bits: int = 41
+    datacenter_id_bits: int = 5
+    worker_id_bits: int = 5
+    sequence_bits: int = 12
+
+    def __post_init__(self) -> None:
+        _check_int("epoch_ms", self.epoch_ms, 0, 2**63 - 1)
+        _check_int("timestamp_bits", self.timestamp_bits, 1, _ID_BITS)
+        _check_int("datacenter_id_bits", self.datacenter_id_bits, 0, _ID_BITS)
+        _check_int("worker_id_bits", self.worker_id_bits, 0, _ID_BITS)
+        _check_int("sequence_bits", self.sequence_bits, 1, _ID_BITS)
+        total = (
+            self.timestamp_bits + self.datacenter_id_bits + self.worker_id_bits + self.sequence_bits
+        )
+        if total > _ID_BITS:
+            raise ConfigurationError(
+                f"layout needs {total} bits (timestamp {self.timestamp_bits} + datacenter "
+                f"{self.datacenter_id_bits} + worker {self.worker_id_bits} + sequence "
+                f"{self.sequence_bits}) but an id has {_ID_BITS}"
+            )
+
+    @property
+    def max_sequence(self) -> int:
+        return (1 << self.sequence_bits) - 1
+
+    @property
+    def max_worker_id(self) -> int:
+        return (1 << self.worker_id_bits) - 1
+
+    @property
+    def max_datacenter_id(self) -> int:
+        return (1 << self.datacenter_id_bits) - 1
+
+    @property
+    def max_timestamp_ms(self) -> int:
+        """The last ms since the Unix epoch that this layout can encode."""
+        return self.epoch_ms + (1 << self.timestamp_bits) - 1
+
+    @property
+    def worker_id_shift(self) -> int:
+        return self.sequence_bits
+
+    @property
+    def datacenter_id_shift(self) -> int:
+        return self.sequence_bits + self.worker_id_bits
+
+    @property
+    def timestamp_shift(self) -> int:
+        return self.sequence_bits + self.worker_id_bits + self.datacenter_id_bits
+
+    def node_bits(self, datacenter_id: int, worker_id: int) -> int:
+        """The datacenter and worker fields of an id, already shifted into place."""
+        _check_int("datacenter_id", datacenter_id, 0, self.max_datacenter_id)
+        _check_int("worker_id", worker_id, 0, self.max_worker_id)
+        return (datacenter_id << self.datacenter_id_shift) | (worker_id << self.worker_id_shift)
+
+    def compose(self, timestamp_ms: int, datacenter_id: int, worker_id: int, sequence: int) -> int:
+        """The id for these parts; ``timestamp_ms`` is ms since the Unix epoch.
+
+        Raises ``ConfigurationError`` for a part that does not fit its field.
+        """
+        _check_int("timestamp_ms", timestamp_ms, self.epoch_ms, self.max_timestamp_ms)
+        _check_int("sequence", sequence, 0, self.max_sequence)
+        return (
+            ((timestamp_ms - self.epoch_ms) << self.timestamp_shift)
+            | self.node_bits(datacenter_id, worker_id)
+            | sequence
+        )
+
+    def decompose(self, id_: int) -> DecodedId:
+        """Split an id back into its parts. Raises ``ConfigurationError`` for a negative
+        id or one wider than the layout."""
+        width = self.timestamp_shift + self.timestamp_bits
+        _check_int("id", id_, 0, (1 << width) - 1)
+        return DecodedId(
+            id=id_,
+            timestamp_ms=(id_ >> self.timestamp_shift) + self.epoch_ms,
+            datacenter_id=(id_ >> self.datacenter_id_shift) & self.max_datacenter_id,
+            worker_id=(id_ >> self.worker_id_shift) & self.max_worker_id,
+            sequence=id_ & self.max_sequence,
+        )
+
+
+DEFAULT_LAYOUT = Layout()
+
+
+def compose(
+    timestamp_ms: int,
+    datacenter_id: int,
+    worker_id: int,
+    sequence: int,
+    layout: Layout = DEFAULT_LAYOUT,
+) -> int:
+    """The id for these parts under ``layout`` (Twitter's by default)."""
+    return layout.compose(timestamp_ms, datacenter_id, worker_id, sequence)
+
+
+def decompose(id_: int, layout: Layout = DEFAULT_LAYOUT) -> DecodedId:
+    """The parts of ``id_`` under ``layout`` (Twitter's by default)."""
+    return layout.decompose(id_)
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorSettings:
+    """Who this generator is and how it treats a clock that steps back.
+
+    ``max_backwards_ms``: a backwards step of at most this many ms is waited
+    out; a larger one makes ``next_id`` raise ``ClockMovedBackwardsError``.
+    0 is Twitter's strict behaviour (never wait).
+    """
+
+    datacenter_id: int = 0
+    worker_id: int = 0
+    layout: Layout = field(default_factory=Layout)
+    max_backwards_ms: int = 5
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, Layout):
+            raise ConfigurationError(f"layout must be a Layout, got {self.layout!r}")
+        self.layout.node_bits(self.datacenter_id, self.worker_id)
+        _check_int("max_backwards_ms", self.max_backwards_ms, 0, 60_000)
+
+    @property
+    def max_batch(self) -> int:
+        """The most ids ``next_ids`` hands out in one call: one ms worth."""
+        return self.layout.max_sequence + 1
+
+
+# How long to yield while waiting for the next ms after the sequence ran out:
+# short, because the wait ends within one ms and throughput is lost meanwhile.
+_EXHAUSTED_POLL_S = 0.00005
+
+
+class IdGenerator:
+    """Thread-safe source of unique, increasing ids for one (datacenter, worker).
+
+    Within one generator no id is ever repeated and every id is greater than
+    the one before it, whatever the clock does: a backwards step of at most
+    ``settings.max_backwards_ms`` is waited out, a larger one raises
+    ``ClockMovedBackwardsError`` before any state is touched.
+
+    The counters ``ids_generated``, ``clock_backwards_waited``,
+    ``clock_backwards_refused`` and ``sequence_exhausted_waits`` are updated
+    under the generator's lock and may be read at any time.
+    """
+
+    def __init__(
+        self,
+        settings: GeneratorSettings,
+        *,
+        clock: Callable[[], int] = wall_clock_ms,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> None:
+        layout = settings.layout
+        now = clock()
+        if now < layout.epoch_ms:
+            raise ConfigurationError(
+                f"epoch {layout.epoch_ms} is {layout.epoch_ms - now} ms in the future"
+            )
+        if now > layout.max_timestamp_ms:
+            raise ConfigurationError(
+                f"the layout's {layout.timestamp_bits} timestamp bits ran out at "
+                f"{layout.max_timestamp_ms} ms; use a later epoch or more timestamp bits"
+            )
+        self.settings = settings
+        self._clock = clock
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        # Hot-path constants, read once instead of through properties per id.
+        self._epoch = layout.epoch_ms
+        self._ts_shift = layout.timestamp_shift
+        self._node = layout.node_bits(settings.datacenter_id, settings.worker_id)
+        self._max_sequence = layout.max_sequence
+        self._max_ts = layout.max_timestamp_ms
+        self._tolerance = settings.max_backwards_ms
+        self._last_ts = -1
+        self._sequence = 0
+        self.ids_generated = 0
+        self.clock_backwards_waited = 0
+        self.clock_backwards_refused = 0
+        self.sequence_exhausted_waits = 0
+
+    @property
+    def last_timestamp_ms(self) -> int:
+        """The timestamp of the newest id issued, or -1 before the first."""
+        return self._last_ts
+
+    def next_id(self) -> int:
+        """One new id. Raises ``ClockMovedBackwardsError`` or ``TimestampOverflowError``."""
+        with self._lock:
+            ts = self._advance()
+            self.ids_generated += 1
+            return ((ts - self._epoch) << self._ts_shift) | self._node | self._sequence
+
+    def next_ids(self, count: int) -> list[int]:
+        """``count`` new ids (1 up to one ms worth, 4,096 by default), increasing.
+
+        Raises ``InvalidCountError`` for a count out of range, else as ``next_id``.
+        The batch is all or nothing: an error leaves no id of it issued.
+        """
+        if type(count) is not int or not 1 <= count <= self._max_sequence + 1:
+            raise InvalidCountError(
+                f"count must be an integer in 1..{self._max_sequence + 1}, got {count!r}"
+            )
+        ids: list[int] = []
+        with self._lock:
+            while len(ids) < count:
+                ts = self._advance()
+                first = self._sequence
+                last = min(first + count - len(ids), self._max_sequence + 1) - 1
+                # Ids of one ms differ only in the sequence field: a contiguous range.
+                base = ((ts - self._epoch) << self._ts_shift) | self._node
+                ids.extend(range(base + first, base + last + 1))
+                self._sequence = last
+            self.ids_generated += count
+        return ids
+
+    def _advance(self) -> int:
+        """Claim the next free (timestamp, sequence) slot; return its timestamp.
+
+        The claimed sequence is left in ``self._sequence``. Caller holds the lock.
+        The backwards check comes before the sequence is touched (Twitter #6).
+        """
+        last = self._last_ts
+        waited_back = waited_full = False
+        while True:
+            now = self._clock()
+            if now > last:
+                if now > self._max_ts:
+                    raise TimestampOverflowError(
+                        f"the layout's timestamp bits ran out at {self._max_ts} ms"
+                    )
+                self._last_ts = now
+                self._sequence = 0
+                return now
+            if now == last:
+                if self._sequence < self._max_sequence:
+                    self._sequence += 1
+                    return now
+                if not waited_full:
+                    waited_full = True
+                    self.sequence_exhausted_waits += 1
+                self._sleep(_EXHAUSTED_POLL_S)
+                continue
+            behind = last - now
+            if behind > self._tolerance:
+                self.clock_backwards_refused += 1
+                raise ClockMovedBackwardsError(behind)
+            if not waited_back:
+                waited_back = True
+                self.clock_backwards_waited += 1
+            self._sleep(behind / 1000)
