@@ -26,7 +26,7 @@ exception InvalidUserAgentError {
   1: string message,
 }
 
-/** get_ids was asked for a count outside 1..4096. */
+/** get_ids was asked for a count outside 1..2^sequence_bits (1..4096 by default). */
 exception InvalidCountError {
   1: string message,
 }
@@ -69,7 +69,7 @@ service Snowflake {
   /** This server's datacenter id. */
   i64 get_datacenter_id()
 
-  /** 1..4096 new ids in increasing order, in one round trip. */
+  /** 1..2^sequence_bits (4096 by default) new ids, increasing, in one round trip. */
   list<i64> get_ids(1: string useragent, 2: i32 count)
     throws (1: InvalidSystemClock clock_error, 2: InvalidUserAgentError agent_error,
             3: InvalidCountError count_error)

@@ -14,6 +14,7 @@ from .errors import (
     InvalidUserAgentError,
     RequestError,
     SnowflakeError,
+    TimestampOverflowError,
 )
 from .generator import (
     DEFAULT_LAYOUT,

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from thriftpy2.thrift import TException
+from thriftpy2.transport import TTransportException
 
 from .client import SnowflakeClient
 from .config import OPTIONS, ServerSettings
@@ -32,7 +33,9 @@ _LAYOUT_OPTIONS = (
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="snowflake", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="snowflake", description="Get ids from a snowflake server, or decode ids."
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     get = commands.add_parser("get", help="print new ids from a server, one per line")
@@ -40,7 +43,12 @@ def _build_parser() -> argparse.ArgumentParser:
     get.add_argument("--port", type=int, default=7609, help="server port (default 7609)")
     get.add_argument("--transport", choices=("framed", "buffered"), default="framed",
                      help="Thrift transport (default framed)")  # fmt: skip
-    get.add_argument("--count", type=int, default=1, help="how many ids, 1..4096 (default 1)")
+    get.add_argument(
+        "--count",
+        type=int,
+        default=1,
+        help="how many ids, 1..2^sequence_bits: 4096 by default (default 1)",
+    )
     get.add_argument("--agent", default="snowflake-cli", help="user agent (default snowflake-cli)")
     get.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
     get.add_argument("--json", action="store_true", help="print a JSON array of id strings")
@@ -65,13 +73,21 @@ def _get(args: argparse.Namespace) -> int:
     ) as client:
         try:
             ids = client.next_ids(args.count) if args.count != 1 else [client.next_id()]
+        except TTransportException as e:
+            if e.type == TTransportException.NOT_OPEN:
+                print(f"snowflake get: cannot reach {args.host}:{args.port}: {e}", file=sys.stderr)
+            else:
+                hint = f"does it speak --transport {args.transport}?"
+                print(f"snowflake get: no valid reply from {args.host}:{args.port} ({hint}): {e}",
+                      file=sys.stderr)  # fmt: skip
+            return 1
+        except OSError as e:
+            print(f"snowflake get: cannot reach {args.host}:{args.port}: {e}", file=sys.stderr)
+            return 1
         except TException as e:
             message = getattr(e, "message", None) or str(e)
             print(f"snowflake get: {type(e).__name__} from {args.host}:{args.port}: {message}",
                   file=sys.stderr)  # fmt: skip
-            return 1
-        except OSError as e:
-            print(f"snowflake get: cannot reach {args.host}:{args.port}: {e}", file=sys.stderr)
             return 1
     if args.json:
         print(json.dumps([str(i) for i in ids]))

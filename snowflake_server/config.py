@@ -9,6 +9,7 @@ default. Nothing is read at import time: call :func:`load_settings`.
 from __future__ import annotations
 
 import argparse
+import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -117,7 +118,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("idle_timeout", _non_negative(float),
            "Close a client connection idle for this many seconds; 0 never.", "SECONDS"),
     Option("datacenter_id", int, "Datacenter id of this server (0..31 by default).", "N"),
-    Option("worker_id", int, "Worker id of this server, unique within its datacenter.", "N"),
+    Option("worker_id", int,
+           "Worker id of this server, unique within its datacenter (0..31 by default).", "N"),
     Option("epoch", int, "Epoch of the ids' timestamps, in ms since the Unix epoch.", "MS"),
     Option("timestamp_bits", int, "Bits of an id holding ms since the epoch.", "N"),
     Option("datacenter_id_bits", int, "Bits of an id holding the datacenter id.", "N"),
@@ -125,7 +127,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("sequence_bits", int, "Bits of an id holding the per-ms sequence.", "N"),
     Option("max_backwards_ms", _non_negative(int),
            "A clock step back of at most this many ms is waited out; a larger one is "
-           "refused with InvalidSystemClock. 0: always refuse (Twitter's behaviour).", "MS"),
+           "refused with InvalidSystemClock. 0: always refuse (Twitter's behaviour). "
+           "At most 60000.", "MS"),
     Option("metrics_host", str, "Address of the Prometheus metrics and health endpoint.", "ADDR"),
     Option("metrics_port", _port, "Port of /metrics and /health; 0 picks a free one.", "PORT"),
     Option("max_agents", _non_negative(int),
@@ -169,10 +172,13 @@ def _convert(option: Option, value: object, source: str) -> Any:
         default = getattr(_DEFAULTS, option.name)
         # TOML values come typed: accept an int where a float is due, nothing looser.
         if isinstance(value, bool) or not isinstance(value, (type(default), int)):
-            raise ValueError(f"must be a {type(default).__name__}")
+            raise ValueError(f"must be {_KIND_NAMES[type(default)]}")
         return option.parse(str(value))
     except ValueError as e:
         raise ConfigurationError(f"{source}: invalid value {value!r}: {e}") from None
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 
 
 def _read_file(path: str) -> dict[str, object]:
@@ -215,5 +221,10 @@ def load_settings(
                 option, from_file[option.name], f"config file {config_path}: {option.name}"
             )
     settings = ServerSettings(**values)
-    settings.generator_settings()  # validates the layout and ids before anything starts
+    try:
+        settings.generator_settings()  # validates the layout and ids before anything starts
+    except ConfigurationError as e:
+        named = [o for o in OPTIONS if re.search(rf"\b{o.name}(_ms)?\b", str(e))]
+        where = "; ".join(f"{o.flag} / {o.env}" for o in named)
+        raise ConfigurationError(f"{e} (set by {where})" if where else str(e)) from None
     return settings

@@ -100,9 +100,10 @@ class Layout:
         )
         if total > _ID_BITS:
             raise ConfigurationError(
-                f"layout needs {total} bits (timestamp {self.timestamp_bits} + datacenter "
-                f"{self.datacenter_id_bits} + worker {self.worker_id_bits} + sequence "
-                f"{self.sequence_bits}) but an id has {_ID_BITS}"
+                f"layout needs {total} bits (timestamp_bits {self.timestamp_bits} + "
+                f"datacenter_id_bits {self.datacenter_id_bits} + worker_id_bits "
+                f"{self.worker_id_bits} + sequence_bits {self.sequence_bits}) but an id has "
+                f"{_ID_BITS}"
             )
 
     @property

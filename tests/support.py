@@ -1,0 +1,160 @@
+"""Helpers shared by the tests: a fake clock and a real server process."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import thriftpy2
+from thriftpy2.thrift import TClient
+
+from snowflake_server.app import READY_PREFIX
+from snowflake_server.client import SnowflakeClient
+from snowflake_server.idl_loader import snowflake_thrift
+from snowflake_server.transports import Transport, binary_protocol, client_socket
+
+DATA = Path(__file__).parent / "data"
+
+
+class FakeClock:
+    """A clock for the generator: ``sleep`` advances it; tests move it at will."""
+
+    def __init__(self, now_ms: int) -> None:
+        self.now = float(now_ms)
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> int:
+        return int(self.now)
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds * 1000
+
+
+@dataclass
+class ServerProcess:
+    """A real ``snowflake-server`` process on free loopback ports."""
+
+    process: subprocess.Popen[str]
+    stderr: IO[str]
+    port: int
+    metrics_port: int
+    transport: Transport = "framed"
+    _clients: list[Any] = field(default_factory=list)
+    _final_log: str = ""
+
+    host = "127.0.0.1"
+
+    def client(self, **kwargs: Any) -> SnowflakeClient:
+        client = SnowflakeClient(self.host, self.port, transport=self.transport, **kwargs)
+        self._clients.append(client)
+        return client
+
+    def raw_client(self, service: Any = None, timeout_s: float = 5.0) -> Any:
+        """A bare thriftpy2 client on one connection that never reconnects."""
+        protocol = binary_protocol(client_socket(self.host, self.port, timeout_s), self.transport)
+        protocol.trans.open()
+        client = TClient(service or snowflake_thrift().Snowflake, protocol)
+        self._clients.append(client)
+        return client
+
+    def http_get(self, path: str) -> tuple[int, str]:
+        url = f"http://{self.host}:{self.metrics_port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as e:
+            with e:
+                return e.code, e.read().decode()
+
+    def metrics(self) -> str:
+        status, body = self.http_get("/metrics")
+        assert status == 200
+        return body
+
+    def log(self) -> str:
+        """What the server wrote to stderr so far (kept after :meth:`stop`)."""
+        if self.stderr.closed:
+            return self._final_log
+        self.stderr.seek(0)
+        return self.stderr.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 5.0) -> int:
+        for client in self._clients:
+            client.close()
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout_s)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            assert self.process.stdout is not None
+            self.process.stdout.close()
+            self._final_log = self.log()
+            self.stderr.close()
+
+
+def start_server(
+    *args: str, transport: Transport = "framed", timeout_s: float = 15.0
+) -> ServerProcess:
+    """Start ``snowflake-server`` on free ports and wait for its ready line."""
+    stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by ServerProcess.stop
+    command = [
+        sys.executable, "-m", "snowflake_server.app",
+        "--port", "0", "--metrics-port", "0", "--transport", transport, *args,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SNOWFLAKE_")}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not selector.select(deadline - time.monotonic()):
+                break
+            line = process.stdout.readline()
+            if not line:
+                break
+            if line.startswith(READY_PREFIX):
+                fields = dict(part.split("=", 1) for part in line.split()[2:])
+                server = ServerProcess(
+                    process,
+                    stderr,
+                    port=int(fields["thrift"].rsplit(":", 1)[1]),
+                    metrics_port=int(fields["metrics"].rsplit(":", 1)[1]),
+                    transport=transport,
+                )
+                return server
+    process.kill()
+    process.wait()
+    process.stdout.close()
+    with stderr:
+        stderr.seek(0)
+        log = stderr.read()
+    raise AssertionError(f"server did not become ready: rc={process.returncode}\n{log}")
+
+
+def twitter_idl() -> Any:
+    """Twitter's original IDL (no ``throws``), as a thriftpy2 module."""
+    return thriftpy2.load(str(DATA / "twitter_snowflake.thrift"), module_name="twitter_sf_thrift")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text format as {'name{labels}': value}, comments dropped."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
