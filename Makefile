@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # command:Debian package, for each outside tool the tests start
-TEST_TOOLS := promtool:prometheus
+TEST_TOOLS := promtool:prometheus faketime:faketime
 
 .PHONY: install system-deps run check test bench clean
 

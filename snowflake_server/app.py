@@ -1,9 +1,14 @@
 """``snowflake-server``: one server process, from settings to exit code.
 
-Start-up order: validate settings, build the generator (which checks the
-clock against the epoch), bind the Thrift and metrics ports, print the ready
-line, serve. SIGTERM or SIGINT: stop accepting, let calls in flight finish,
-exit 0.
+Start-up order: validate settings; lock this worker's state file and read its
+high-water mark; build the generator (which checks the clock against the
+epoch); wait for the clock to pass the mark (or refuse); reserve ahead; bind
+the Thrift and metrics ports; print the ready line; serve. SIGTERM or SIGINT:
+stop accepting, let calls in flight finish, write the exact final mark, exit 0.
+
+Exit codes: 0 after a signal, 2 for bad settings or a port in use, 3 when
+starting could repeat ids (clock far behind the mark, unusable state file,
+worker held by another process).
 """
 
 from __future__ import annotations
@@ -13,15 +18,18 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from . import __version__
 from .admin import AdminServer
 from .config import ServerSettings, load_settings
-from .errors import ConfigurationError
-from .generator import IdGenerator, wall_clock_ms
+from .errors import ConfigurationError, StartupRefused
+from .generator import IdGenerator, pause, wall_clock_ms
 from .handler import Processor, SnowflakeHandler, service_methods
 from .metrics import ConnectionStats, ServiceMetrics
+from .reservation import Reservation, wait_for_clock
 from .server import ThriftServer
+from .state import StateFile
 
 __all__ = ["main", "serve"]
 
@@ -33,7 +41,43 @@ READY_PREFIX = "snowflake-server ready"
 
 def serve(settings: ServerSettings) -> int:
     """Run a server with ``settings`` until SIGTERM/SIGINT; return the exit code."""
-    generator = IdGenerator(settings.generator_settings(), clock=wall_clock_ms)
+    state = StateFile.open(Path(settings.state_dir), settings.datacenter_id, settings.worker_id)
+    try:
+        return _serve(settings, state)
+    finally:
+        state.close()
+
+
+def _serve(settings: ServerSettings, state: StateFile) -> int:
+    clock = wall_clock_ms
+    mark = state.load(discard_corrupt=settings.discard_corrupt_state)
+    resume_after = -1 if mark is None else mark
+    reservation = Reservation(state, clock)
+    # Until the first reservation is on disk the ceiling is the resume point:
+    # no id can be stamped with a time that is not reserved.
+    generator = IdGenerator(
+        settings.generator_settings(),
+        clock=clock,
+        sleep=pause,
+        resume_after_ms=resume_after,
+        ceiling_ms=resume_after,
+        reserve=reservation.reserve,
+    )
+    if mark is None:
+        log.info("no high-water mark in %s: first start of this worker here", state.path)
+    else:
+        reservation.startup_wait_s = wait_for_clock(
+            mark, clock, pause, settings.max_startup_wait, str(state.path)
+        )
+    generator.raise_ceiling(reservation.reserve(clock()))
+    reservation.start(generator)
+    try:
+        return _serve_ids(settings, generator, reservation)
+    finally:
+        reservation.finish(generator, floor_ms=resume_after)
+
+
+def _serve_ids(settings: ServerSettings, generator: IdGenerator, reservation: Reservation) -> int:
     metrics = ServiceMetrics(generator, service_methods(), max_agents=settings.max_agents)
 
     def make_processor(stats: ConnectionStats) -> Processor:
@@ -57,7 +101,10 @@ def serve(settings: ServerSettings) -> int:
     try:
         thrift_host, thrift_port = server.bind()
         admin = AdminServer(
-            metrics.registry(), health, host=settings.metrics_host, port=settings.metrics_port
+            metrics.registry(reservation),
+            health,
+            host=settings.metrics_host,
+            port=settings.metrics_port,
         )
     except OSError as e:
         raise ConfigurationError(f"cannot listen: {e.strerror or e}") from None
@@ -105,6 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigurationError as e:
         print(f"snowflake-server: error: {e}", file=sys.stderr)
         return 2
+    except StartupRefused as e:
+        print(f"snowflake-server: refusing to start: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

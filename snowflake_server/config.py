@@ -18,6 +18,7 @@ from typing import Any
 
 from .errors import ConfigurationError
 from .generator import TWITTER_EPOCH_MS, GeneratorSettings, Layout
+from .state import default_state_dir
 
 __all__ = ["OPTIONS", "Option", "ServerSettings", "build_parser", "load_settings"]
 
@@ -46,6 +47,10 @@ class ServerSettings:
     metrics_port: int = 9990
     max_agents: int = 100
     log_level: str = "info"
+    state_dir: str = ""
+    max_startup_wait: float = 10.0
+    sequence_start: str = "zero"
+    discard_corrupt_state: bool = False
 
     def layout(self) -> Layout:
         return Layout(
@@ -62,6 +67,7 @@ class ServerSettings:
             worker_id=self.worker_id,
             layout=self.layout(),
             max_backwards_ms=self.max_backwards_ms,
+            sequence_start="random" if self.sequence_start == "random" else "zero",
         )
 
 
@@ -91,14 +97,31 @@ def _choice(*allowed: str) -> Callable[[str], str]:
     return parse
 
 
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("must be true or false")
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
-    """One setting: its field in ``ServerSettings``, how to parse it, what it does."""
+    """One setting: its field in ``ServerSettings``, how to parse it, what it does.
+
+    A switch (``parse`` is ``_bool``) is a flag without a value; its
+    environment variable takes true/false, 1/0, yes/no.
+    """
 
     name: str
     parse: Callable[[str], Any]
     help: str
     metavar: str = ""
+
+    @property
+    def is_switch(self) -> bool:
+        return self.parse is _bool
 
     @property
     def flag(self) -> str:
@@ -135,6 +158,18 @@ OPTIONS: tuple[Option, ...] = (
            "Distinct user agents that get their own metrics label; the rest share one.", "N"),
     Option("log_level", _choice(*_LOG_LEVELS), "Logging threshold.",
            "{" + ",".join(_LOG_LEVELS) + "}"),
+    Option("state_dir", str,
+           "Directory of the state files holding each worker's high-water mark "
+           "(default: $XDG_STATE_HOME/snowflake or ~/.local/state/snowflake).", "DIR"),
+    Option("max_startup_wait", _non_negative(float),
+           "At start, wait at most this long for a clock that is behind the stored "
+           "high-water mark; further behind, refuse to start.", "SECONDS"),
+    Option("sequence_start", _choice("zero", "random"),
+           "Start each ms at sequence 0 (Twitter) or at a random 0..99 (Leaf), which "
+           "spreads id %% 100 evenly at low traffic.", "{zero,random}"),
+    Option("discard_corrupt_state", _bool,
+           "Start even if the state file is unreadable or corrupt, as if it were "
+           "missing. Only when the clock is surely past every id this worker issued."),
 )  # fmt: skip
 
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -155,13 +190,17 @@ def build_parser(prog: str = "snowflake-server") -> argparse.ArgumentParser:
         help=f"TOML file of settings, keys as the flags without '--' (env {ENV_PREFIX}CONFIG)",
     )
     for option in OPTIONS:
-        parser.add_argument(
-            option.flag,
-            dest=option.name,
-            metavar=option.metavar or None,
-            default=None,
-            help=f"{option.help} (env {option.env}; default {getattr(_DEFAULTS, option.name)})",
-        )
+        default = getattr(_DEFAULTS, option.name)
+        shown = f"; default {default}" if default != "" else ""
+        help_text = f"{option.help} (env {option.env}{shown})"
+        if option.is_switch:
+            parser.add_argument(
+                option.flag, dest=option.name, action="store_const", const="true", help=help_text
+            )
+        else:
+            parser.add_argument(
+                option.flag, dest=option.name, metavar=option.metavar, help=help_text
+            )
     return parser
 
 
@@ -169,16 +208,18 @@ def _convert(option: Option, value: object, source: str) -> Any:
     try:
         if isinstance(value, str):
             return option.parse(value)
-        default = getattr(_DEFAULTS, option.name)
+        kind = type(getattr(_DEFAULTS, option.name))
+        if kind is bool and isinstance(value, bool):
+            return value
         # TOML values come typed: accept an int where a float is due, nothing looser.
-        if isinstance(value, bool) or not isinstance(value, (type(default), int)):
-            raise ValueError(f"must be {_KIND_NAMES[type(default)]}")
+        if isinstance(value, bool) or not isinstance(value, (kind, int)):
+            raise ValueError(f"must be {_KIND_NAMES[kind]}")
         return option.parse(str(value))
     except ValueError as e:
         raise ConfigurationError(f"{source}: invalid value {value!r}: {e}") from None
 
 
-_KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
 def _read_file(path: str) -> dict[str, object]:
@@ -220,6 +261,8 @@ def load_settings(
             values[option.name] = _convert(
                 option, from_file[option.name], f"config file {config_path}: {option.name}"
             )
+    if not values.get("state_dir"):
+        values["state_dir"] = str(default_state_dir(environ))
     settings = ServerSettings(**values)
     try:
         settings.generator_settings()  # validates the layout and ids before anything starts

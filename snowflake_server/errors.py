@@ -4,16 +4,18 @@
 
     SnowflakeError
     ├── ConfigurationError              bad settings, found at start-up (also a ValueError)
+    ├── StartupRefused                  starting now could repeat ids: state file, clock
     ├── TimestampOverflowError          the layout's timestamp bits ran out
+    ├── ReservationError                no high-water mark on disk covers the next id
     └── RequestError                    a request that cannot be served; declared in the IDL
         ├── ClockMovedBackwardsError    -> InvalidSystemClock
         ├── InvalidUserAgentError       -> InvalidUserAgentError
         └── InvalidCountError           -> InvalidCountError
 
 The Thrift handler maps each ``RequestError`` onto the IDL exception named on
-its right; anything else that escapes a call, ``TimestampOverflowError``
-included, reaches the client as a Thrift application error (INTERNAL_ERROR),
-never as a dropped connection.
+its right; anything else that escapes a call, ``TimestampOverflowError`` and
+``ReservationError`` included, reaches the client as a Thrift application
+error (INTERNAL_ERROR), never as a dropped connection.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ __all__ = [
     "InvalidCountError",
     "InvalidUserAgentError",
     "RequestError",
+    "ReservationError",
     "SnowflakeError",
+    "StartupRefused",
     "TimestampOverflowError",
 ]
 
@@ -35,6 +39,16 @@ class SnowflakeError(Exception):
 
 class ConfigurationError(SnowflakeError, ValueError):
     """Settings that cannot work: the message says which value and why."""
+
+
+class StartupRefused(SnowflakeError):
+    """Starting now could hand out ids already issued: the message says why and
+    what the operator can do (fix the clock, wait, repair the state file)."""
+
+
+class ReservationError(SnowflakeError):
+    """The high-water mark on disk could not be moved past the next id's time,
+    or the generator was shut down."""
 
 
 class TimestampOverflowError(SnowflakeError):

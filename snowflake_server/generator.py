@@ -14,16 +14,19 @@ Layout of an id with the default :class:`Layout` (Twitter's)::
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Literal
 
 from .errors import (
     ClockMovedBackwardsError,
     ConfigurationError,
     InvalidCountError,
+    ReservationError,
     TimestampOverflowError,
 )
 
@@ -36,6 +39,7 @@ __all__ = [
     "Layout",
     "compose",
     "decompose",
+    "pause",
     "wall_clock_ms",
 ]
 
@@ -48,6 +52,19 @@ _ID_BITS = 63  # the sign bit stays 0 so ids are positive in every language's i6
 def wall_clock_ms() -> int:
     """The system's wall clock in whole ms since the Unix epoch."""
     return time.time_ns() // 1_000_000
+
+
+_NEVER_SET = threading.Event()
+
+
+def pause(seconds: float) -> None:
+    """Sleep ``seconds``: the real ``sleep`` a server gives its generator.
+
+    Not ``time.sleep``: that is ``clock_nanosleep`` on CLOCK_MONOTONIC with an
+    absolute deadline, which libfaketime (faking only the wall clock, as the
+    black-box clock tests do) breaks with EINVAL. An Event wait is as precise.
+    """
+    _NEVER_SET.wait(seconds)
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> int:
@@ -194,18 +211,33 @@ class GeneratorSettings:
     ``max_backwards_ms``: a backwards step of at most this many ms is waited
     out; a larger one makes ``next_id`` raise ``ClockMovedBackwardsError``.
     0 is Twitter's strict behaviour (never wait).
+
+    ``sequence_start``: ``"zero"`` starts each ms at sequence 0 (Twitter);
+    ``"random"`` at a small random offset (Leaf), so that at low traffic the
+    low digits of ids (``id % 100``) are spread evenly instead of all alike.
     """
 
     datacenter_id: int = 0
     worker_id: int = 0
     layout: Layout = field(default_factory=Layout)
     max_backwards_ms: int = 5
+    sequence_start: Literal["zero", "random"] = "zero"
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, Layout):
             raise ConfigurationError(f"layout must be a Layout, got {self.layout!r}")
         self.layout.node_bits(self.datacenter_id, self.worker_id)
         _check_int("max_backwards_ms", self.max_backwards_ms, 0, 60_000)
+        if self.sequence_start not in ("zero", "random"):
+            raise ConfigurationError(
+                f"sequence_start must be 'zero' or 'random', got {self.sequence_start!r}"
+            )
+
+    @property
+    def random_start_bound(self) -> int:
+        """With ``sequence_start="random"``, each ms starts at a sequence below this
+        (100, as Leaf; less for a narrow sequence field, so half of it stays usable)."""
+        return min(100, (self.layout.max_sequence + 1) // 2) or 1
 
     @property
     def max_batch(self) -> int:
@@ -226,9 +258,16 @@ class IdGenerator:
     ``settings.max_backwards_ms`` is waited out, a larger one raises
     ``ClockMovedBackwardsError`` before any state is touched.
 
+    ``resume_after_ms``: only timestamps after this one are used (a restart
+    passes the high-water mark of the previous run). ``ceiling_ms`` and
+    ``reserve``: ids are never stamped after ``ceiling_ms``; a new ms past it
+    first calls ``reserve(ms)``, which must persist and return a new ceiling
+    of at least ``ms`` (or raise). Without them the only ceiling is the layout's.
+
     The counters ``ids_generated``, ``clock_backwards_waited``,
-    ``clock_backwards_refused`` and ``sequence_exhausted_waits`` are updated
-    under the generator's lock and may be read at any time.
+    ``clock_backwards_refused``, ``sequence_exhausted_waits`` and
+    ``reservation_stalls`` are updated under the generator's lock and may be
+    read at any time.
     """
 
     def __init__(
@@ -236,7 +275,11 @@ class IdGenerator:
         settings: GeneratorSettings,
         *,
         clock: Callable[[], int] = wall_clock_ms,
-        sleep: Callable[[float], object] = time.sleep,
+        sleep: Callable[[float], object] = pause,
+        randbelow: Callable[[int], int] = random.randrange,
+        resume_after_ms: int = -1,
+        ceiling_ms: int | None = None,
+        reserve: Callable[[int], int] | None = None,
     ) -> None:
         layout = settings.layout
         now = clock()
@@ -252,6 +295,7 @@ class IdGenerator:
         self.settings = settings
         self._clock = clock
         self._sleep = sleep
+        self._randbelow = randbelow
         self._lock = threading.Lock()
         # Hot-path constants, read once instead of through properties per id.
         self._epoch = layout.epoch_ms
@@ -260,17 +304,48 @@ class IdGenerator:
         self._max_sequence = layout.max_sequence
         self._max_ts = layout.max_timestamp_ms
         self._tolerance = settings.max_backwards_ms
-        self._last_ts = -1
-        self._sequence = 0
+        self._random_start = (
+            settings.random_start_bound if settings.sequence_start == "random" else 0
+        )
+        self._reserve = reserve
+        # One comparison per new ms checks both the reservation and the layout's end.
+        self._ceiling = self._max_ts if ceiling_ms is None else min(ceiling_ms, self._max_ts)
+        # The resume point counts as used up: the next id is stamped after it.
+        self._last_ts = resume_after_ms
+        self._sequence = self._max_sequence
         self.ids_generated = 0
         self.clock_backwards_waited = 0
         self.clock_backwards_refused = 0
         self.sequence_exhausted_waits = 0
+        self.reservation_stalls = 0
 
     @property
     def last_timestamp_ms(self) -> int:
-        """The timestamp of the newest id issued, or -1 before the first."""
+        """The newest timestamp used (the resume point before the first id)."""
         return self._last_ts
+
+    @property
+    def ceiling_ms(self) -> int:
+        """No id is stamped after this ms until the ceiling is raised."""
+        return self._ceiling
+
+    def raise_ceiling(self, ceiling_ms: int) -> None:
+        """Allow ids up to ``ceiling_ms`` (already persisted by the caller). Never lowers."""
+        with self._lock:
+            if self._reserve is not None and ceiling_ms > self._ceiling:
+                self._ceiling = min(ceiling_ms, self._max_ts)
+
+    def seal(self) -> int:
+        """Stop issuing ids for good; return the newest timestamp used.
+
+        Afterwards every call raises ``ReservationError``, so the returned
+        timestamp is final and may be written down as the high-water mark.
+        """
+        with self._lock:
+            self._reserve = None
+            self._ceiling = self._last_ts
+            self._sequence = self._max_sequence  # the current ms is closed too
+            return self._last_ts
 
     def next_id(self) -> int:
         """One new id. Raises ``ClockMovedBackwardsError`` or ``TimestampOverflowError``."""
@@ -313,12 +388,10 @@ class IdGenerator:
         while True:
             now = self._clock()
             if now > last:
-                if now > self._max_ts:
-                    raise TimestampOverflowError(
-                        f"the layout's timestamp bits ran out at {self._max_ts} ms"
-                    )
+                if now > self._ceiling:
+                    self._pass_ceiling(now)
                 self._last_ts = now
-                self._sequence = 0
+                self._sequence = self._randbelow(self._random_start) if self._random_start else 0
                 return now
             if now == last:
                 if self._sequence < self._max_sequence:
@@ -337,3 +410,17 @@ class IdGenerator:
                 waited_back = True
                 self.clock_backwards_waited += 1
             self._sleep(behind / 1000)
+
+    def _pass_ceiling(self, now: int) -> None:
+        if now > self._max_ts:
+            raise TimestampOverflowError(
+                f"the layout's timestamp bits ran out at {self._max_ts} ms"
+            )
+        if self._reserve is None:
+            raise ReservationError("the generator is shut down: no more ids")
+        # The background renewal fell behind: renew now, on this id's time.
+        self.reservation_stalls += 1
+        ceiling = self._reserve(now)
+        if ceiling < now:
+            raise ReservationError(f"reserve({now}) returned {ceiling}, before the ms asked for")
+        self._ceiling = min(ceiling, self._max_ts)

@@ -124,10 +124,11 @@ class ServiceMetrics(Collector):
         self._closed = ConnectionStats()
         self.connections_accepted = 0
 
-    def registry(self) -> CollectorRegistry:
-        """A fresh registry holding only this collector (never the global one)."""
+    def registry(self, *others: Collector) -> CollectorRegistry:
+        """A fresh registry holding this collector and ``others`` (never the global one)."""
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(self)
+        for collector in (self, *others):
+            registry.register(collector)
         return registry
 
     def agent_label(self, agent: str) -> str:
@@ -198,6 +199,12 @@ class ServiceMetrics(Collector):
             "sequence_exhausted_waits",
             "Times all sequence numbers of a ms were used and generation waited for the next ms.",
             gen.sequence_exhausted_waits,
+        )
+        yield _counter(
+            "reservation_stalls",
+            "Times an id waited for the high-water mark to be written because the "
+            "background renewal had fallen behind.",
+            gen.reservation_stalls,
         )
         yield _counter(
             "connections_accepted", "Client connections accepted.", self.connections_accepted

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +43,15 @@ class FakeClock:
         self.now += seconds * 1000
 
 
+class ServerDidNotStart(AssertionError):
+    """The server exited (or hung) before its ready line; ``log`` is its stderr."""
+
+    def __init__(self, returncode: int | None, log: str) -> None:
+        super().__init__(f"server did not become ready: rc={returncode}\n{log}")
+        self.returncode = returncode
+        self.log = log
+
+
 @dataclass
 class ServerProcess:
     """A real ``snowflake-server`` process on free loopback ports."""
@@ -49,6 +61,7 @@ class ServerProcess:
     port: int
     metrics_port: int
     transport: Transport = "framed"
+    state_dir: Path | None = None
     _clients: list[Any] = field(default_factory=list)
     _final_log: str = ""
 
@@ -105,16 +118,38 @@ class ServerProcess:
             self.stderr.close()
 
 
+@functools.cache
+def _state_root() -> Path:
+    """One temporary folder for the state dirs of this test run, removed at exit."""
+    root = Path(tempfile.mkdtemp(prefix="snowflake-test-state-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
 def start_server(
-    *args: str, transport: Transport = "framed", timeout_s: float = 15.0
+    *args: str,
+    transport: Transport = "framed",
+    timeout_s: float = 15.0,
+    state_dir: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> ServerProcess:
-    """Start ``snowflake-server`` on free ports and wait for its ready line."""
+    """Start ``snowflake-server`` on free ports and wait for its ready line.
+
+    Each server gets a fresh state directory unless ``state_dir`` is given
+    (pass the same one to restart a worker); ``env`` adds environment variables.
+    """
     stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by ServerProcess.stop
+    if state_dir is None:
+        state_dir = Path(tempfile.mkdtemp(dir=_state_root()))
     command = [
         sys.executable, "-m", "snowflake_server.app",
-        "--port", "0", "--metrics-port", "0", "--transport", transport, *args,
+        "--port", "0", "--metrics-port", "0", "--transport", transport,
+        "--state-dir", str(state_dir), *args,
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SNOWFLAKE_")}
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("SNOWFLAKE_")},
+        **(env or {}),
+    }
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     assert process.stdout is not None
     deadline = time.monotonic() + timeout_s
@@ -134,6 +169,7 @@ def start_server(
                     port=int(fields["thrift"].rsplit(":", 1)[1]),
                     metrics_port=int(fields["metrics"].rsplit(":", 1)[1]),
                     transport=transport,
+                    state_dir=state_dir,
                 )
                 return server
     process.kill()
@@ -142,7 +178,7 @@ def start_server(
     with stderr:
         stderr.seek(0)
         log = stderr.read()
-    raise AssertionError(f"server did not become ready: rc={process.returncode}\n{log}")
+    raise ServerDidNotStart(process.returncode, log)
 
 
 def twitter_idl() -> Any:

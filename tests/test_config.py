@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,8 @@ from snowflake_server.errors import ConfigurationError
 
 
 def test_defaults_are_the_originals() -> None:
-    s = load_settings([], {})
-    assert s == ServerSettings()
+    s = load_settings([], {"HOME": "/home/u"})
+    assert s == replace(ServerSettings(), state_dir="/home/u/.local/state/snowflake")
     assert (s.host, s.port, s.metrics_port, s.transport) == ("127.0.0.1", 7609, 9990, "framed")
     assert s.idle_timeout > 3, "an idle client must not be dropped after thriftpy2's 3 s"
 
@@ -84,4 +85,20 @@ def test_file_errors(tmp_path: Path) -> None:
 
 def test_unrelated_env_vars_are_ignored() -> None:
     # The Snowflake data warehouse's tools use SNOWFLAKE_ACCOUNT and friends.
-    assert load_settings([], {"SNOWFLAKE_ACCOUNT": "x", "SNOWFLAKE_USER": "y"}) == ServerSettings()
+    env = {"SNOWFLAKE_ACCOUNT": "x", "SNOWFLAKE_USER": "y", "XDG_STATE_HOME": "/s"}
+    assert load_settings([], env) == replace(ServerSettings(), state_dir="/s/snowflake")
+
+
+def test_state_settings_and_switches(tmp_path: Path) -> None:
+    s = load_settings(["--discard-corrupt-state", "--sequence-start", "random"], {})
+    assert (s.discard_corrupt_state, s.sequence_start) == (True, "random")
+    assert s.generator_settings().sequence_start == "random"
+    env = {"SNOWFLAKE_DISCARD_CORRUPT_STATE": "no", "SNOWFLAKE_STATE_DIR": "/var/lib/sf"}
+    s = load_settings([], env)
+    assert (s.discard_corrupt_state, s.state_dir) == (False, "/var/lib/sf")
+    with pytest.raises(ConfigurationError, match="must be true or false"):
+        load_settings([], {"SNOWFLAKE_DISCARD_CORRUPT_STATE": "maybe"})
+    config = tmp_path / "c.toml"
+    config.write_text("discard-corrupt-state = true\nmax-startup-wait = 30\n")
+    s = load_settings(["--config", str(config)], {})
+    assert (s.discard_corrupt_state, s.max_startup_wait) == (True, 30.0)

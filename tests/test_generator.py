@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
@@ -246,3 +247,65 @@ def test_ids_only_go_up_whatever_the_clock_does(
             assert e.behind_ms > tolerance
     assert issued == sorted(issued)
     assert len(set(issued)) == len(issued)
+
+
+def _low_digit_counts(sequence_start: str, seed: int = 7) -> list[int]:
+    """How often each value of id % 100 occurs over 10,000 ids, one per ms (low traffic)."""
+    clock = FakeClock(T0)
+    gen = IdGenerator(
+        GeneratorSettings(sequence_start=sequence_start),  # type: ignore[arg-type]
+        clock=clock,
+        sleep=clock.sleep,
+        randbelow=random.Random(seed).randrange,
+    )
+    counts = [0] * 100
+    for _ in range(10_000):
+        clock.now += 1
+        counts[gen.next_id() % 100] += 1
+    return counts
+
+
+def _chi_square(counts: list[int]) -> float:
+    expected = sum(counts) / len(counts)
+    return sum((n - expected) ** 2 / expected for n in counts)
+
+
+def test_zero_start_leaves_low_digits_lopsided() -> None:
+    counts = _low_digit_counts("zero")
+    # (ms << 22) % 100 is always a multiple of 4: three residues in four never occur.
+    assert sum(1 for n in counts if n) == 25
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_start_spreads_low_digits_evenly(seed: int) -> None:
+    counts = _low_digit_counts("random", seed)
+    assert all(counts), "every value of id % 100 occurs"
+    # 99 degrees of freedom: the 99.99th percentile of chi-square is about 160.
+    assert _chi_square(counts) < 160, counts
+
+
+def test_random_start_keeps_ids_unique_and_increasing() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock, sequence_start="random")
+    ids = []
+    for _ in range(300):
+        ids.extend(gen.next_ids(97))
+        ids.append(gen.next_id())
+        clock.now += 1
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    starts = {decompose(i).sequence for i in ids if decompose(i).sequence < 100}
+    assert max(starts) < 100
+
+
+def test_random_start_bound_shrinks_with_the_sequence_field() -> None:
+    assert GeneratorSettings(sequence_start="random").random_start_bound == 100
+    narrow = GeneratorSettings(layout=Layout(sequence_bits=4), sequence_start="random")
+    assert narrow.random_start_bound == 8
+    with pytest.raises(ConfigurationError, match="sequence_start"):
+        GeneratorSettings(sequence_start="leaf")  # type: ignore[arg-type]
+
+
+def test_resume_after_skips_the_used_ms() -> None:
+    clock = FakeClock(T0)
+    gen = IdGenerator(GeneratorSettings(), clock=clock, sleep=clock.sleep, resume_after_ms=T0)
+    assert decompose(gen.next_id()).timestamp_ms == T0 + 1
