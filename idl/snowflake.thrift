@@ -26,6 +26,14 @@ exception InvalidUserAgentError {
   1: string message,
 }
 
+/**
+ * This node cannot hand out ids right now (for example its ZooKeeper session is
+ * in doubt, or it is shutting down); ask another node.
+ */
+exception UnavailableError {
+  1: string message,
+}
+
 /** get_ids was asked for a count outside 1..2^sequence_bits (1..4096 by default). */
 exception InvalidCountError {
   1: string message,
@@ -64,7 +72,8 @@ service Snowflake {
 
   /** One new id. */
   i64 get_id(1: string useragent)
-    throws (1: InvalidSystemClock clock_error, 2: InvalidUserAgentError agent_error)
+    throws (1: InvalidSystemClock clock_error, 2: InvalidUserAgentError agent_error,
+            4: UnavailableError unavailable)
 
   /** This server's datacenter id. */
   i64 get_datacenter_id()
@@ -72,7 +81,7 @@ service Snowflake {
   /** 1..2^sequence_bits (4096 by default) new ids, increasing, in one round trip. */
   list<i64> get_ids(1: string useragent, 2: i32 count)
     throws (1: InvalidSystemClock clock_error, 2: InvalidUserAgentError agent_error,
-            3: InvalidCountError count_error)
+            3: InvalidCountError count_error, 4: UnavailableError unavailable)
 
   /** The layout this server packs ids with. */
   Layout get_layout()

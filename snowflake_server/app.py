@@ -1,10 +1,12 @@
 """``snowflake-server``: one server process, from settings to exit code.
 
-Start-up order: validate settings; lock this worker's state file and read its
-high-water mark; build the generator (which checks the clock against the
-epoch); wait for the clock to pass the mark (or refuse); reserve ahead; bind
-the Thrift and metrics ports; print the ready line; serve. SIGTERM or SIGINT:
-stop accepting, let calls in flight finish, write the exact final mark, exit 0.
+Start-up, standalone: validate settings; open the worker (lock its state
+file, honour its high-water mark, reserve ahead); bind the Thrift and metrics
+ports; print the ready line; serve. In cluster mode the Thrift port is bound
+first (peers must be able to dial us), then ZooKeeper is reached, the peers
+are checked and a worker id is registered (see ``cluster``). SIGTERM or
+SIGINT: stop accepting, let calls in flight finish, write the exact final
+marks, delete the registration, exit 0.
 
 Exit codes: 0 after a signal, 2 for bad settings or a port in use, 3 when
 starting could repeat ids (clock far behind the mark, unusable state file,
@@ -13,23 +15,25 @@ worker held by another process).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+
+from prometheus_client.registry import Collector
 
 from . import __version__
 from .admin import AdminServer
+from .cluster import Cluster, advertised_address
 from .config import ServerSettings, load_settings
 from .errors import ConfigurationError, StartupRefused
-from .generator import IdGenerator, pause, wall_clock_ms
+from .generator import IdSource, wall_clock_ms
 from .handler import Processor, SnowflakeHandler, service_methods
 from .metrics import ConnectionStats, ServiceMetrics
-from .reservation import Reservation, wait_for_clock
 from .server import ThriftServer
-from .state import StateFile
+from .worker import CurrentReservation, Worker, WorkerSlot
 
 __all__ = ["main", "serve"]
 
@@ -41,98 +45,105 @@ READY_PREFIX = "snowflake-server ready"
 
 def serve(settings: ServerSettings) -> int:
     """Run a server with ``settings`` until SIGTERM/SIGINT; return the exit code."""
-    state = StateFile.open(Path(settings.state_dir), settings.datacenter_id, settings.worker_id)
-    try:
-        return _serve(settings, state)
-    finally:
-        state.close()
-
-
-def _serve(settings: ServerSettings, state: StateFile) -> int:
     clock = wall_clock_ms
-    mark = state.load(discard_corrupt=settings.discard_corrupt_state)
-    resume_after = -1 if mark is None else mark
-    reservation = Reservation(state, clock)
-    # Until the first reservation is on disk the ceiling is the resume point:
-    # no id can be stamped with a time that is not reserved.
-    generator = IdGenerator(
-        settings.generator_settings(),
-        clock=clock,
-        sleep=pause,
-        resume_after_ms=resume_after,
-        ceiling_ms=resume_after,
-        reserve=reservation.reserve,
-    )
-    if mark is None:
-        log.info("no high-water mark in %s: first start of this worker here", state.path)
-    else:
-        reservation.startup_wait_s = wait_for_clock(
-            mark, clock, pause, settings.max_startup_wait, str(state.path)
+    with contextlib.ExitStack() as cleanup:
+        slot: WorkerSlot | None = None
+        if settings.zookeeper:
+            placeholder = settings.generator_settings(0 if settings.auto_worker_id else None)
+            slot = WorkerSlot(placeholder)
+            source: IdSource = slot
+            collectors: list[Collector] = [CurrentReservation(slot)]
+        else:
+            worker = Worker.open(settings, settings.worker_id, clock=clock)
+            cleanup.callback(worker.close)
+            source = worker.generator
+            collectors = [worker.reservation]
+        metrics = ServiceMetrics(source, service_methods(), max_agents=settings.max_agents)
+
+        def make_processor(stats: ConnectionStats) -> Processor:
+            return Processor(SnowflakeHandler(source, metrics, stats, clock), stats)
+
+        server = ThriftServer(
+            make_processor,
+            metrics,
+            host=settings.host,
+            port=settings.port,
+            transport="buffered" if settings.transport == "buffered" else "framed",
+            idle_timeout_s=settings.idle_timeout,
         )
-    generator.raise_ceiling(reservation.reserve(clock()))
-    reservation.start(generator)
-    try:
-        return _serve_ids(settings, generator, reservation)
-    finally:
-        reservation.finish(generator, floor_ms=resume_after)
+        cleanup.callback(server.close)
+        try:
+            thrift_host, thrift_port = server.bind()
+        except OSError as e:
+            raise ConfigurationError(
+                f"cannot listen on {settings.host}:{settings.port}: {e}"
+            ) from None
+
+        def health() -> tuple[bool, dict[str, object]]:
+            return True, {}
+
+        if slot is not None:
+            # Peers and clients must be able to dial us before we register.
+            cluster = Cluster(settings, slot, clock, advertised_address(settings, thrift_port))
+            cluster.connect()
+            cleanup.callback(cluster.close)
+            cluster.check_peers()
+            cluster.register()
+            collectors.append(cluster)
+            health = cluster.health
+
+        def report() -> tuple[bool, dict[str, object]]:
+            healthy, details = health()
+            ids = source.settings
+            return healthy, {
+                "worker_id": ids.worker_id,
+                "datacenter_id": ids.datacenter_id,
+                "version": __version__,
+                **details,
+            }
+
+        try:
+            admin = AdminServer(
+                metrics.registry(*collectors),
+                report,
+                host=settings.metrics_host,
+                port=settings.metrics_port,
+            )
+        except OSError as e:
+            raise ConfigurationError(
+                f"cannot listen on {settings.metrics_host}:{settings.metrics_port}: {e}"
+            ) from None
+        admin.start()
+        cleanup.callback(admin.stop)
+        _run(settings, server, source, (thrift_host, thrift_port), admin.address)
+    log.info("stopped")
+    return 0
 
 
-def _serve_ids(settings: ServerSettings, generator: IdGenerator, reservation: Reservation) -> int:
-    metrics = ServiceMetrics(generator, service_methods(), max_agents=settings.max_agents)
-
-    def make_processor(stats: ConnectionStats) -> Processor:
-        return Processor(SnowflakeHandler(generator, metrics, stats, wall_clock_ms), stats)
-
-    def health() -> tuple[bool, dict[str, object]]:
-        return True, {
-            "worker_id": settings.worker_id,
-            "datacenter_id": settings.datacenter_id,
-            "version": __version__,
-        }
-
-    server = ThriftServer(
-        make_processor,
-        metrics,
-        host=settings.host,
-        port=settings.port,
-        transport="buffered" if settings.transport == "buffered" else "framed",
-        idle_timeout_s=settings.idle_timeout,
-    )
-    try:
-        thrift_host, thrift_port = server.bind()
-        admin = AdminServer(
-            metrics.registry(reservation),
-            health,
-            host=settings.metrics_host,
-            port=settings.metrics_port,
-        )
-    except OSError as e:
-        raise ConfigurationError(f"cannot listen: {e.strerror or e}") from None
-    admin.start()
-
+def _run(
+    settings: ServerSettings,
+    server: ThriftServer,
+    source: IdSource,
+    thrift: tuple[str, int],
+    metrics: tuple[str, int],
+) -> None:
     def on_signal(signum: int, _frame: object) -> None:
         log.info("received %s: finishing calls in flight", signal.Signals(signum).name)
         server.request_shutdown()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    metrics_host, metrics_port = admin.address
+    ids = source.settings
     log.info(
         "serving %s/binary on %s:%d (datacenter %d, worker %d); metrics on http://%s:%d/metrics",
-        settings.transport, thrift_host, thrift_port, settings.datacenter_id,
-        settings.worker_id, metrics_host, metrics_port,
+        settings.transport, *thrift, ids.datacenter_id, ids.worker_id, *metrics,
     )  # fmt: skip
     # Scripts and tests wait for this line instead of polling the ports.
     print(
-        f"{READY_PREFIX} thrift={thrift_host}:{thrift_port} metrics={metrics_host}:{metrics_port}",
+        f"{READY_PREFIX} thrift={thrift[0]}:{thrift[1]} metrics={metrics[0]}:{metrics[1]}",
         flush=True,
     )
-    try:
-        server.serve_forever()
-    finally:
-        admin.stop()
-    log.info("stopped")
-    return 0
+    server.serve_forever()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,6 +23,8 @@ from .state import default_state_dir
 __all__ = ["OPTIONS", "Option", "ServerSettings", "build_parser", "load_settings"]
 
 ENV_PREFIX = "SNOWFLAKE_"
+AUTO_WORKER_ID = -1
+"""``--worker-id auto``: lease the lowest free worker id from ZooKeeper."""
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -51,6 +53,18 @@ class ServerSettings:
     max_startup_wait: float = 10.0
     sequence_start: str = "zero"
     discard_corrupt_state: bool = False
+    zookeeper: str = ""
+    zk_path: str = "/snowflake-servers"
+    advertise_host: str = ""
+    advertise_port: int = 0
+    max_peer_skew: float = 10.0
+    skip_sanity_checks: bool = False
+    zk_session_timeout: float = 10.0
+    zk_connect_timeout: float = 10.0
+
+    @property
+    def auto_worker_id(self) -> bool:
+        return self.worker_id == AUTO_WORKER_ID
 
     def layout(self) -> Layout:
         return Layout(
@@ -61,10 +75,11 @@ class ServerSettings:
             sequence_bits=self.sequence_bits,
         )
 
-    def generator_settings(self) -> GeneratorSettings:
+    def generator_settings(self, worker_id: int | None = None) -> GeneratorSettings:
+        """The generator's settings, for ``worker_id`` (a leased one) or the configured id."""
         return GeneratorSettings(
             datacenter_id=self.datacenter_id,
-            worker_id=self.worker_id,
+            worker_id=self.worker_id if worker_id is None else worker_id,
             layout=self.layout(),
             max_backwards_ms=self.max_backwards_ms,
             sequence_start="random" if self.sequence_start == "random" else "zero",
@@ -76,6 +91,26 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise ValueError("must be in 0..65535")
     return value
+
+
+def _worker_id(text: str) -> int:
+    return AUTO_WORKER_ID if text.strip().lower() == "auto" else int(text)
+
+
+def _zk_path(text: str) -> str:
+    if not text.startswith("/") or text.endswith("/") or "//" in text:
+        raise ValueError("must be an absolute ZooKeeper path like /snowflake-servers")
+    return text
+
+
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise ValueError("must be positive")
+        return value
+
+    return parse
 
 
 def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -141,8 +176,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("idle_timeout", _non_negative(float),
            "Close a client connection idle for this many seconds; 0 never.", "SECONDS"),
     Option("datacenter_id", int, "Datacenter id of this server (0..31 by default).", "N"),
-    Option("worker_id", int,
-           "Worker id of this server, unique within its datacenter (0..31 by default).", "N"),
+    Option("worker_id", _worker_id,
+           "Worker id of this server, unique within its datacenter (0..31 by default); "
+           "'auto' leases the lowest free one from ZooKeeper.", "{N,auto}"),
     Option("epoch", int, "Epoch of the ids' timestamps, in ms since the Unix epoch.", "MS"),
     Option("timestamp_bits", int, "Bits of an id holding ms since the epoch.", "N"),
     Option("datacenter_id_bits", int, "Bits of an id holding the datacenter id.", "N"),
@@ -170,6 +206,27 @@ OPTIONS: tuple[Option, ...] = (
     Option("discard_corrupt_state", _bool,
            "Start even if the state file is unreadable or corrupt, as if it were "
            "missing. Only when the clock is surely past every id this worker issued."),
+    Option("zookeeper", str,
+           "Cluster mode: ZooKeeper ensemble to register in, HOST:PORT[,HOST:PORT...]. "
+           "Empty: standalone.", "HOSTS"),
+    Option("zk_path", _zk_path, "ZooKeeper path under which nodes register.", "PATH"),
+    Option("advertise_host", str,
+           "Address peers and clients should dial (default: --host, or this host's "
+           "name when --host is a wildcard).", "ADDR"),
+    Option("advertise_port", _port, "Port peers and clients should dial (default: the "
+           "Thrift port bound).", "PORT"),
+    Option("max_peer_skew", _positive(float),
+           "Refuse to start if our clock is further than this from the mean of the "
+           "registered peers' clocks.", "SECONDS"),
+    Option("skip_sanity_checks", _bool,
+           "Start without asking registered peers for their ids and clocks (an "
+           "unreachable peer then does not block start-up)."),
+    Option("zk_session_timeout", _positive(float),
+           "ZooKeeper session timeout; it must lie within the ensemble's min and max "
+           "session timeouts. Ids stop this long after ZooKeeper was last reached.",
+           "SECONDS"),
+    Option("zk_connect_timeout", _positive(float),
+           "At start, refuse if ZooKeeper cannot be reached within this time.", "SECONDS"),
 )  # fmt: skip
 
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -264,8 +321,11 @@ def load_settings(
     if not values.get("state_dir"):
         values["state_dir"] = str(default_state_dir(environ))
     settings = ServerSettings(**values)
+    if settings.auto_worker_id and not settings.zookeeper:
+        raise ConfigurationError("--worker-id auto leases ids from ZooKeeper: give --zookeeper")
     try:
-        settings.generator_settings()  # validates the layout and ids before anything starts
+        # Validates the layout and ids before anything starts (a leased id is checked later).
+        settings.generator_settings(0 if settings.auto_worker_id else None)
     except ConfigurationError as e:
         named = [o for o in OPTIONS if re.search(rf"\b{o.name}(_ms)?\b", str(e))]
         where = "; ".join(f"{o.flag} / {o.env}" for o in named)

@@ -6,16 +6,17 @@
     ├── ConfigurationError              bad settings, found at start-up (also a ValueError)
     ├── StartupRefused                  starting now could repeat ids: state file, clock
     ├── TimestampOverflowError          the layout's timestamp bits ran out
-    ├── ReservationError                no high-water mark on disk covers the next id
     └── RequestError                    a request that cannot be served; declared in the IDL
         ├── ClockMovedBackwardsError    -> InvalidSystemClock
         ├── InvalidUserAgentError       -> InvalidUserAgentError
-        └── InvalidCountError           -> InvalidCountError
+        ├── InvalidCountError           -> InvalidCountError
+        └── UnavailableError            -> UnavailableError: not serving now, try another node
+            └── ReservationError        no high-water mark on disk covers the next id
 
 The Thrift handler maps each ``RequestError`` onto the IDL exception named on
-its right; anything else that escapes a call, ``TimestampOverflowError`` and
-``ReservationError`` included, reaches the client as a Thrift application
-error (INTERNAL_ERROR), never as a dropped connection.
+its right; anything else that escapes a call, ``TimestampOverflowError``
+included, reaches the client as a Thrift application error (INTERNAL_ERROR),
+never as a dropped connection.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "SnowflakeError",
     "StartupRefused",
     "TimestampOverflowError",
+    "UnavailableError",
 ]
 
 
@@ -44,11 +46,6 @@ class ConfigurationError(SnowflakeError, ValueError):
 class StartupRefused(SnowflakeError):
     """Starting now could hand out ids already issued: the message says why and
     what the operator can do (fix the clock, wait, repair the state file)."""
-
-
-class ReservationError(SnowflakeError):
-    """The high-water mark on disk could not be moved past the next id's time,
-    or the generator was shut down."""
 
 
 class TimestampOverflowError(SnowflakeError):
@@ -79,3 +76,13 @@ class InvalidUserAgentError(RequestError):
 
 class InvalidCountError(RequestError):
     """A batch size outside the allowed range."""
+
+
+class UnavailableError(RequestError):
+    """This node cannot hand out ids right now (not registered in ZooKeeper, session
+    in doubt, high-water mark not writable, shutting down); another node can."""
+
+
+class ReservationError(UnavailableError):
+    """The high-water mark could not be moved past the next id's time, or the
+    generator was shut down."""

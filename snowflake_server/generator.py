@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Literal, Protocol
 
 from .errors import (
     ClockMovedBackwardsError,
@@ -36,6 +36,7 @@ __all__ = [
     "DecodedId",
     "GeneratorSettings",
     "IdGenerator",
+    "IdSource",
     "Layout",
     "compose",
     "decompose",
@@ -243,6 +244,33 @@ class GeneratorSettings:
     def max_batch(self) -> int:
         """The most ids ``next_ids`` hands out in one call: one ms worth."""
         return self.layout.max_sequence + 1
+
+
+class IdSource(Protocol):
+    """What the Thrift handler and the metrics need: an ``IdGenerator``, or a slot
+    whose generator changes (cluster mode re-leases worker ids)."""
+
+    @property
+    def settings(self) -> GeneratorSettings: ...
+
+    def next_id(self) -> int: ...
+
+    def next_ids(self, count: int) -> list[int]: ...
+
+    @property
+    def ids_generated(self) -> int: ...
+
+    @property
+    def clock_backwards_waited(self) -> int: ...
+
+    @property
+    def clock_backwards_refused(self) -> int: ...
+
+    @property
+    def sequence_exhausted_waits(self) -> int: ...
+
+    @property
+    def reservation_stalls(self) -> int: ...
 
 
 # How long to yield while waiting for the next ms after the sequence ran out:

@@ -20,8 +20,14 @@ from typing import Any
 from thriftpy2.protocol.base import TProtocolBase
 from thriftpy2.thrift import TApplicationException, TMessageType, TType
 
-from .errors import ClockMovedBackwardsError, InvalidCountError, InvalidUserAgentError, RequestError
-from .generator import IdGenerator
+from .errors import (
+    ClockMovedBackwardsError,
+    InvalidCountError,
+    InvalidUserAgentError,
+    RequestError,
+    UnavailableError,
+)
+from .generator import IdSource
 from .idl_loader import snowflake_thrift
 from .metrics import ConnectionStats, ServiceMetrics
 
@@ -44,6 +50,7 @@ _DECLARED: dict[type[RequestError], tuple[str, str]] = {
     ClockMovedBackwardsError: ("InvalidSystemClock", "invalid_system_clock"),
     InvalidUserAgentError: ("InvalidUserAgentError", "invalid_user_agent"),
     InvalidCountError: ("InvalidCountError", "invalid_count"),
+    UnavailableError: ("UnavailableError", "unavailable"),
 }
 
 
@@ -69,7 +76,7 @@ class SnowflakeHandler:
 
     def __init__(
         self,
-        generator: IdGenerator,
+        generator: IdSource,
         metrics: ServiceMetrics,
         stats: ConnectionStats,
         clock: Callable[[], int],
@@ -79,17 +86,6 @@ class SnowflakeHandler:
         self._stats = stats
         self._clock = clock
         self._labels: dict[str, str] = {}
-        settings = generator.settings
-        layout = settings.layout
-        self._layout = snowflake_thrift().Layout(
-            epoch_ms=layout.epoch_ms,
-            timestamp_bits=layout.timestamp_bits,
-            datacenter_id_bits=layout.datacenter_id_bits,
-            worker_id_bits=layout.worker_id_bits,
-            sequence_bits=layout.sequence_bits,
-            datacenter_id=settings.datacenter_id,
-            worker_id=settings.worker_id,
-        )
 
     def _label(self, agent: object) -> str:
         label = self._labels.get(agent) if isinstance(agent, str) else None
@@ -121,7 +117,18 @@ class SnowflakeHandler:
         return ids
 
     def get_layout(self) -> Any:
-        return self._layout
+        # Built per call: in cluster mode the worker id can change while serving.
+        settings = self._generator.settings
+        layout = settings.layout
+        return snowflake_thrift().Layout(
+            epoch_ms=layout.epoch_ms,
+            timestamp_bits=layout.timestamp_bits,
+            datacenter_id_bits=layout.datacenter_id_bits,
+            worker_id_bits=layout.worker_id_bits,
+            sequence_bits=layout.sequence_bits,
+            datacenter_id=settings.datacenter_id,
+            worker_id=settings.worker_id,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +212,8 @@ class Processor:
         try:
             result.success = method(*[getattr(args, arg) for arg in spec.arg_names])
         except RequestError as e:
-            declared = spec.errors.get(type(e))
+            # The most specific declared base: ReservationError is an UnavailableError.
+            declared = next((spec.errors[c] for c in type(e).__mro__ if c in spec.errors), None)
             if declared is None:
                 reply, mtype = self._internal_error(name, e), TMessageType.EXCEPTION
             else:

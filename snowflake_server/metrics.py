@@ -21,7 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .generator import IdGenerator
+from .generator import IdSource
 
 __all__ = [
     "EXCEPTION_KINDS",
@@ -41,6 +41,7 @@ EXCEPTION_KINDS: tuple[str, ...] = (
     "invalid_system_clock",
     "invalid_user_agent",
     "invalid_count",
+    "unavailable",
     "unknown_method",
     "protocol_error",
     "internal_error",
@@ -110,7 +111,7 @@ class ServiceMetrics(Collector):
 
     def __init__(
         self,
-        generator: IdGenerator,
+        generator: IdSource,
         methods: Sequence[str],
         *,
         max_agents: int = 100,

@@ -15,17 +15,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
+from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .errors import ReservationError, StartupRefused
 from .generator import IdGenerator
-from .state import StateFile
 
-__all__ = ["RENEW_EVERY_S", "RESERVE_AHEAD_MS", "Reservation", "wait_for_clock"]
+__all__ = ["RENEW_EVERY_S", "RESERVE_AHEAD_MS", "MarkStore", "Reservation", "wait_for_clock"]
 
 log = logging.getLogger(__name__)
 
@@ -79,38 +79,66 @@ def wait_for_clock(
     return waited
 
 
+class MarkStore(Protocol):
+    """Somewhere a high-water mark is kept: the state file, or ZooKeeper."""
+
+    name: str
+    """A label value for metrics: "disk", "zookeeper"."""
+    writes: int
+    write_errors: int
+
+    @property
+    def where(self) -> str:
+        """The file or znode, for messages."""
+
+    @property
+    def mark_ms(self) -> int:
+        """The mark last stored or loaded; -1 if none."""
+
+    def advance(self, mark_ms: int) -> int:
+        """Store ``mark_ms`` unless a later one is stored; return the stored mark."""
+
+    def finish(self, mark_ms: int) -> None:
+        """Store the exact final mark (possibly lower), once ids have stopped."""
+
+
 class Reservation(Collector):
     """The reserved high-water mark of one worker, renewed in the background.
 
-    ``reserve`` is what the generator calls when an id would pass the
-    ceiling; :meth:`start` runs the renewal thread; :meth:`finish` seals the
-    generator and writes the final, exact mark.
+    Each store keeps its own margin ahead of the clock; the generator's ceiling
+    is the lowest mark stored, so every id is covered by every store.
+    ``reserve`` is what the generator calls when an id would pass the ceiling;
+    :meth:`start` runs the renewal thread; :meth:`finish` seals the generator
+    and writes the final, exact mark to every store.
     """
 
     def __init__(
         self,
-        state: StateFile,
+        stores: Sequence[tuple[MarkStore, int]],
         clock: Callable[[], int],
         *,
-        ahead_ms: int = RESERVE_AHEAD_MS,
         every_s: float = RENEW_EVERY_S,
     ) -> None:
-        self._state = state
+        self._stores = list(stores)
         self._clock = clock
-        self._ahead = ahead_ms
         self._every = every_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.startup_wait_s = 0.0
 
     def reserve(self, now_ms: int) -> int:
-        """Persist a mark ``ahead_ms`` after ``now_ms``; return the mark stored."""
-        try:
-            return self._state.advance(now_ms + self._ahead)
-        except OSError as e:
-            raise ReservationError(
-                f"cannot write the high-water mark to {self._state.path}: {e.strerror or e}"
-            ) from None
+        """Persist marks ahead of ``now_ms`` in every store; return the lowest stored."""
+        ceiling = None
+        for store, ahead_ms in self._stores:
+            try:
+                stored = store.advance(now_ms + ahead_ms)
+            except Exception as e:  # noqa: BLE001 - OSError, ZooKeeper errors: all mean "not stored"
+                raise ReservationError(
+                    f"cannot write the high-water mark to {store.where}: {e}"
+                ) from None
+            ceiling = stored if ceiling is None else min(ceiling, stored)
+        assert ceiling is not None, "a reservation needs a store"
+        return ceiling
 
     def start(self, generator: IdGenerator) -> None:
         """Renew in the background, raising ``generator``'s ceiling after each write."""
@@ -133,26 +161,31 @@ class Reservation(Collector):
         if self._thread is not None:
             self._thread.join()
         final = max(generator.seal(), floor_ms)
-        try:
-            self._state.finish(final)
-        except OSError as e:
-            log.error("cannot write the final high-water mark to %s: %s", self._state.path, e)
+        for store, _ in self._stores:
+            try:
+                store.finish(final)
+            except Exception as e:  # noqa: BLE001 - the reserved mark stays: safe, a wait at most
+                log.error("cannot write the final high-water mark to %s: %s", store.where, e)
 
     def collect(self) -> Iterable[Metric]:
-        state = self._state
-        yield GaugeMetricFamily(
+        mark = GaugeMetricFamily(
             "snowflake_high_water_mark_timestamp_seconds",
-            "The high-water mark on disk: no id of this worker is stamped after it.",
-            value=state.mark_ms / 1000,
+            "The high-water mark in each store: no id of this worker is stamped after it.",
+            labels=["store"],
         )
-        yield CounterMetricFamily(
-            "snowflake_state_writes", "Writes of the high-water mark to disk.", value=state.writes
+        writes = CounterMetricFamily(
+            "snowflake_state_writes", "Writes of the high-water mark, by store.", labels=["store"]
         )
-        yield CounterMetricFamily(
+        errors = CounterMetricFamily(
             "snowflake_state_write_errors",
-            "Failed writes of the high-water mark to disk.",
-            value=state.write_errors,
+            "Failed writes of the high-water mark, by store.",
+            labels=["store"],
         )
+        for store, _ in self._stores:
+            mark.add_metric([store.name], store.mark_ms / 1000)
+            writes.add_metric([store.name], store.writes)
+            errors.add_metric([store.name], store.write_errors)
+        yield from (mark, writes, errors)
         yield GaugeMetricFamily(
             "snowflake_startup_clock_wait_seconds",
             "How long start-up waited for the clock to pass the previous run's high-water mark.",

@@ -98,6 +98,12 @@ class ThriftServer:
                         self._accept(listener)
         listener.close()
         self._drain(grace_s)
+        self.close()
+
+    def close(self) -> None:
+        """Release the sockets; for a server that never served, or after serving."""
+        if self._listener is not None:
+            self._listener.close()
         self._wake_r.close()
         self._wake_w.close()
 

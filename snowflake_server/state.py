@@ -39,6 +39,8 @@ class StateFile:
     moves ahead; :meth:`finish` at shutdown; :meth:`close` to release the lock.
     """
 
+    name = "disk"
+
     def __init__(self, path: Path, lock_fd: int, identity: dict[str, int]) -> None:
         self.path = path
         self._lock_fd = lock_fd
@@ -115,6 +117,10 @@ class StateFile:
             "you are sure the clock is past every id this worker issued, start once with "
             "--discard-corrupt-state"
         )
+
+    @property
+    def where(self) -> str:
+        return str(self.path)
 
     @property
     def mark_ms(self) -> int:

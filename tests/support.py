@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import glob
 import os
 import selectors
 import shutil
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -41,6 +43,28 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
         self.now += seconds * 1000
+
+
+class FakeTime:
+    """The wall-clock offset of the processes started with :attr:`env`."""
+
+    def __init__(self, directory: Path) -> None:
+        libraries = glob.glob("/usr/lib/*/faketime/libfaketime.so.1")
+        assert libraries, "libfaketime (Debian package faketime) is installed by `make test`"
+        self.file = directory / "faketime-offset"
+        self.set("+0")
+        self.env = {
+            "LD_PRELOAD": libraries[0],
+            "FAKETIME_TIMESTAMP_FILE": str(self.file),
+            "FAKETIME_NO_CACHE": "1",  # read the offset on every call
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1",  # only the wall clock moves
+        }
+
+    def set(self, offset: str) -> None:
+        """Offset from the real time, in seconds: "+0", "-0.004", "-2"."""
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(offset + "\n")
+        tmp.replace(self.file)  # never a half-written offset
 
 
 class ServerDidNotStart(AssertionError):
@@ -101,13 +125,19 @@ class ServerProcess:
         self.stderr.seek(0)
         return self.stderr.read()
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 5.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
         for client in self._clients:
             client.close()
         if self.process.poll() is None:
             self.process.send_signal(sig)
         try:
             return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(self.process.pid, signal.SIGABRT)  # -X faulthandler dumps every stack
+            self.process.wait(5)
+            raise AssertionError(
+                f"server did not stop within {timeout_s} s:\n{self.log()}"
+            ) from None
         finally:
             if self.process.poll() is None:
                 self.process.kill()
@@ -142,7 +172,7 @@ def start_server(
     if state_dir is None:
         state_dir = Path(tempfile.mkdtemp(dir=_state_root()))
     command = [
-        sys.executable, "-m", "snowflake_server.app",
+        sys.executable, "-X", "faulthandler", "-m", "snowflake_server.app",
         "--port", "0", "--metrics-port", "0", "--transport", transport,
         "--state-dir", str(state_dir), *args,
     ]  # fmt: skip
@@ -194,3 +224,96 @@ def parse_metrics(text: str) -> dict[str, float]:
             key, value = line.rsplit(" ", 1)
             out[key] = float(value)
     return out
+
+
+class WallClockOffset:
+    """Moves the wall clock of server processes started with ``env=offset.env``.
+
+    libfaketime (Debian package ``faketime``) fakes only CLOCK_REALTIME and reads
+    the offset from a file on every call, so a test can step a running server's
+    clock back and forward: ``offset.set("-60")``, then ``offset.set("+0")``.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        libraries = sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))
+        assert libraries, "libfaketime is missing: `make test` installs it (Debian: faketime)"
+        self.file = directory / "wall-clock-offset"
+        self.set("+0")
+        self.env = {
+            "LD_PRELOAD": str(libraries[0]),
+            "FAKETIME_TIMESTAMP_FILE": str(self.file),
+            "FAKETIME_NO_CACHE": "1",
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        }
+
+    def set(self, offset_s: str) -> None:
+        """The offset from the real time in seconds, signed: "+0", "-60"."""
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(offset_s + "\n")
+        tmp.replace(self.file)
+
+
+class Load:
+    """Clients hammering servers with get_ids in the background, bounded in time.
+
+    Every id received is kept, so a test can count duplicates across a cluster;
+    errors are counted by type and the connection is reopened after any of them.
+    """
+
+    def __init__(self, servers: list[ServerProcess], per_server: int = 2, batch: int = 10) -> None:
+        self.ids: list[int] = []
+        self.errors: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._batch = batch
+        self._threads = [
+            threading.Thread(target=self._run, args=(server,), daemon=True)
+            for server in servers
+            for _ in range(per_server)
+        ]
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+
+    def _run(self, server: ServerProcess) -> None:
+        deadline = time.monotonic() + 120  # stops by itself whatever the test does
+        client: Any = None
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                if client is None:
+                    protocol = binary_protocol(
+                        client_socket(server.host, server.port, 2.0), server.transport
+                    )
+                    protocol.trans.open()
+                    client = TClient(snowflake_thrift().Snowflake, protocol)
+                ids = client.get_ids("load", self._batch)
+                with self._lock:
+                    self.ids.extend(ids)
+            except Exception as e:  # noqa: BLE001 - counted; the test decides what is allowed
+                with self._lock:
+                    name = type(e).__name__
+                    self.errors[name] = self.errors.get(name, 0) + 1
+                if client is not None:
+                    client.close()
+                    client = None
+                self._stop.wait(0.02)
+        if client is not None:
+            client.close()
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.ids)
+
+    def duplicates(self) -> int:
+        with self._lock:
+            return len(self.ids) - len(set(self.ids))

@@ -8,7 +8,6 @@ id issued before.
 
 from __future__ import annotations
 
-import glob
 import re
 import signal
 import time
@@ -18,31 +17,15 @@ from pathlib import Path
 import pytest
 
 from snowflake_server.idl_loader import snowflake_thrift
-from tests.support import ServerDidNotStart, ServerProcess, parse_metrics, start_server
+from tests.support import (
+    FakeTime,
+    ServerDidNotStart,
+    ServerProcess,
+    parse_metrics,
+    start_server,
+)
 
 thrift = snowflake_thrift()
-
-
-class FakeTime:
-    """The wall-clock offset of the processes started with :attr:`env`."""
-
-    def __init__(self, directory: Path) -> None:
-        libraries = glob.glob("/usr/lib/*/faketime/libfaketime.so.1")
-        assert libraries, "libfaketime (Debian package faketime) is installed by `make test`"
-        self.file = directory / "faketime-offset"
-        self.set("+0")
-        self.env = {
-            "LD_PRELOAD": libraries[0],
-            "FAKETIME_TIMESTAMP_FILE": str(self.file),
-            "FAKETIME_NO_CACHE": "1",  # read the offset on every call
-            "FAKETIME_DONT_FAKE_MONOTONIC": "1",  # only the wall clock moves
-        }
-
-    def set(self, offset: str) -> None:
-        """Offset from the real time, in seconds: "+0", "-0.004", "-2"."""
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(offset + "\n")
-        tmp.replace(self.file)  # never a half-written offset
 
 
 @pytest.fixture

@@ -47,7 +47,7 @@ def test_refuses_a_clock_far_behind_and_says_what_to_do() -> None:
 
 def make(tmp_path: Path, clock: FakeClock, resume: int = -1) -> tuple[IdGenerator, Reservation]:
     state = StateFile.open(tmp_path, 0, 0)
-    reservation = Reservation(state, clock, ahead_ms=1000)
+    reservation = Reservation([(state, 1000)], clock)
     generator = IdGenerator(
         GeneratorSettings(),
         clock=clock,
