@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from . import __version__
 from .admin import AdminServer
+from .audit import AuditLog
 from .cluster import Cluster, advertised_address
 from .config import ServerSettings, load_settings
 from .errors import ConfigurationError, StartupRefused
@@ -33,6 +34,7 @@ from .generator import IdSource, wall_clock_ms
 from .handler import Processor, SnowflakeHandler, service_methods
 from .metrics import ConnectionStats, ServiceMetrics
 from .server import ThriftServer
+from .tls import server_context
 from .worker import CurrentReservation, Worker, WorkerSlot
 
 __all__ = ["main", "serve"]
@@ -60,8 +62,19 @@ def serve(settings: ServerSettings) -> int:
             collectors = [worker.reservation]
         metrics = ServiceMetrics(source, service_methods(), max_agents=settings.max_agents)
 
+        audit = AuditLog(settings.audit_log, settings.audit_queue) if settings.audit_log else None
+        if audit is not None:
+            audit.start()
+            cleanup.callback(audit.close)  # after the server: every id issued is written
+            collectors.append(audit)
+        tls = (
+            server_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+            if settings.tls_cert
+            else None
+        )
+
         def make_processor(stats: ConnectionStats) -> Processor:
-            return Processor(SnowflakeHandler(source, metrics, stats, clock), stats)
+            return Processor(SnowflakeHandler(source, metrics, stats, clock, audit), stats)
 
         server = ThriftServer(
             make_processor,
@@ -70,6 +83,9 @@ def serve(settings: ServerSettings) -> int:
             port=settings.port,
             transport="buffered" if settings.transport == "buffered" else "framed",
             idle_timeout_s=settings.idle_timeout,
+            max_connections=settings.max_connections,
+            max_frame_size=settings.max_frame_size,
+            tls=tls,
         )
         cleanup.callback(server.close)
         try:

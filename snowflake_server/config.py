@@ -61,6 +61,13 @@ class ServerSettings:
     skip_sanity_checks: bool = False
     zk_session_timeout: float = 10.0
     zk_connect_timeout: float = 10.0
+    max_connections: int = 1000
+    max_frame_size: int = 64 * 1024
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    audit_log: str = ""
+    audit_queue: int = 100_000
 
     @property
     def auto_worker_id(self) -> bool:
@@ -227,6 +234,21 @@ OPTIONS: tuple[Option, ...] = (
            "SECONDS"),
     Option("zk_connect_timeout", _positive(float),
            "At start, refuse if ZooKeeper cannot be reached within this time.", "SECONDS"),
+    Option("max_connections", _positive(int),
+           "Client connections served at once; further ones are closed at once and "
+           "counted.", "N"),
+    Option("max_frame_size", _positive(int),
+           "Largest request accepted, in bytes; a larger frame is refused before it is "
+           "read.", "BYTES"),
+    Option("tls_cert", str, "Serve TLS with this certificate (PEM; may hold the key).", "FILE"),
+    Option("tls_key", str, "The private key of --tls-cert, if in its own file.", "FILE"),
+    Option("tls_client_ca", str,
+           "Require a client certificate signed by this CA (mutual TLS).", "FILE"),
+    Option("audit_log", str,
+           "Append one JSON line per id issued to this file (off the id path; entries "
+           "are dropped, and counted, if the disk falls behind).", "FILE"),
+    Option("audit_queue", _positive(int),
+           "Audit entries that may wait in memory before new ones are dropped.", "N"),
 )  # fmt: skip
 
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -321,6 +343,8 @@ def load_settings(
     if not values.get("state_dir"):
         values["state_dir"] = str(default_state_dir(environ))
     settings = ServerSettings(**values)
+    if (settings.tls_key or settings.tls_client_ca) and not settings.tls_cert:
+        raise ConfigurationError("--tls-key and --tls-client-ca need --tls-cert")
     if settings.auto_worker_id and not settings.zookeeper:
         raise ConfigurationError("--worker-id auto leases ids from ZooKeeper: give --zookeeper")
     try:

@@ -20,6 +20,7 @@ from typing import Any
 from thriftpy2.protocol.base import TProtocolBase
 from thriftpy2.thrift import TApplicationException, TMessageType, TType
 
+from .audit import AuditLog
 from .errors import (
     ClockMovedBackwardsError,
     InvalidCountError,
@@ -57,6 +58,10 @@ _DECLARED: dict[type[RequestError], tuple[str, str]] = {
 def check_user_agent(agent: object) -> str:
     """``agent`` if it is a letter followed by letters, digits and dashes (Twitter's
     rule), at most ``MAX_USER_AGENT_LENGTH`` long; else ``InvalidUserAgentError``."""
+    if agent is None:
+        raise InvalidUserAgentError("user agent missing (field 1 must be a string)")
+    if isinstance(agent, bytes):
+        raise InvalidUserAgentError("user agent is not valid UTF-8")
     if not isinstance(agent, str):
         raise InvalidUserAgentError(
             "user agent must be a string matching [a-zA-Z][a-zA-Z\\-0-9]*, "
@@ -80,11 +85,13 @@ class SnowflakeHandler:
         metrics: ServiceMetrics,
         stats: ConnectionStats,
         clock: Callable[[], int],
+        audit: AuditLog | None = None,
     ) -> None:
         self._generator = generator
         self._metrics = metrics
         self._stats = stats
         self._clock = clock
+        self._audit = audit
         self._labels: dict[str, str] = {}
 
     def _label(self, agent: object) -> str:
@@ -108,12 +115,16 @@ class SnowflakeHandler:
         label = self._label(useragent)
         id_ = self._generator.next_id()
         self._stats.count_ids(label, 1)
+        if self._audit is not None:
+            self._audit.record([id_], useragent, self._clock())  # type: ignore[arg-type]
         return id_
 
     def get_ids(self, useragent: object, count: object) -> list[int]:
         label = self._label(useragent)
         ids = self._generator.next_ids(count)  # type: ignore[arg-type]  # it checks
         self._stats.count_ids(label, len(ids))
+        if self._audit is not None:
+            self._audit.record(ids, useragent, self._clock())  # type: ignore[arg-type]
         return ids
 
     def get_layout(self) -> Any:

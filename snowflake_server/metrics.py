@@ -44,6 +44,8 @@ EXCEPTION_KINDS: tuple[str, ...] = (
     "unavailable",
     "unknown_method",
     "protocol_error",
+    "frame_too_large",
+    "tls_error",
     "internal_error",
 )
 
@@ -124,6 +126,7 @@ class ServiceMetrics(Collector):
         self._live: set[ConnectionStats] = set()
         self._closed = ConnectionStats()
         self.connections_accepted = 0
+        self.connections_rejected = 0  # written by the accept loop only
 
     def registry(self, *others: Collector) -> CollectorRegistry:
         """A fresh registry holding this collector and ``others`` (never the global one)."""
@@ -209,6 +212,11 @@ class ServiceMetrics(Collector):
         )
         yield _counter(
             "connections_accepted", "Client connections accepted.", self.connections_accepted
+        )
+        yield _counter(
+            "connections_rejected",
+            "Client connections closed at once because --max-connections were open.",
+            self.connections_rejected,
         )
         yield _gauge("connections_open", "Client connections open now.", self.connections_open)
         yield _gauge("worker_id", "This server's worker id.", gen.settings.worker_id)

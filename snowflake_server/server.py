@@ -1,9 +1,14 @@
-"""A threaded Thrift server: one thread per connection, stopped gracefully.
+"""A threaded Thrift server: one thread per connection, hardened, stopped gracefully.
 
 Unlike thriftpy2's ``make_server`` it does not drop a client idle for 3 s (the
 idle timeout is a setting), it reports the port it bound (so port 0 works),
-it never sets SO_REUSEPORT (a port clash is an error, not a silent second
-server), and :meth:`ThriftServer.request_shutdown` stops it within a bounded
+and it sets SO_REUSEPORT only when asked (a port clash is otherwise an error,
+not a silent second server). Against hostile clients: a frame longer than
+``max_frame_size`` is refused before any of it is allocated (and a buffered
+request reading more than that many bytes is cut off), at most
+``max_connections`` connections are served at once, and TLS handshakes run in
+the connection's own thread with a time limit, so no client can stall the
+accept loop. :meth:`ThriftServer.request_shutdown` stops it within a bounded
 time: no new connections, calls in flight finish and get their reply.
 """
 
@@ -13,19 +18,90 @@ import contextlib
 import logging
 import selectors
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from thriftpy2.transport import TTransportException
+from thriftpy2.thrift import TApplicationException, TMessageType
+from thriftpy2.transport import TSocket, TTransportException
 
 from .handler import Processor
 from .metrics import ConnectionStats, ServiceMetrics
-from .transports import Transport, binary_protocol, server_socket
+from .transports import Transport, binary_protocol
 
-__all__ = ["ThriftServer"]
+__all__ = ["DEFAULT_MAX_FRAME_SIZE", "FrameTooLarge", "ThriftServer"]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_FRAME_SIZE = 64 * 1024
+"""Requests are tiny (a get_ids call with a 128-character agent is under 200 bytes)."""
+_HANDSHAKE_TIMEOUT_S = 5.0
+_REJECT_LOG_EVERY_S = 10.0
+
+
+class FrameTooLarge(TTransportException):
+    """A client announced or sent a request larger than the server accepts."""
+
+
+class _GuardedSocket(TSocket):
+    """A server-side socket that refuses oversized requests as the bytes arrive.
+
+    On framed transport it reads each 4-byte frame length as it passes and
+    refuses one that is not in 1..limit before the transport sees it (the
+    transport would allocate the whole frame at once). On any transport it
+    refuses a request that reads more than ``limit`` bytes.
+    """
+
+    def __init__(self, conn: socket.socket, limit: int, framed: bool) -> None:
+        super().__init__(sock=conn)  # type: ignore[no-untyped-call]  # thriftpy2 is untyped
+        self._limit = limit
+        self._framed = framed
+        self._count = 0
+        self._left = 0  # bytes of the current frame still to come
+        self._header = b""
+
+    def request_done(self) -> None:
+        self._count = 0
+
+    def read(self, sz: int) -> bytes:
+        data: bytes = super().read(sz)  # type: ignore[no-untyped-call]
+        self._count += len(data)
+        if self._framed:
+            self._scan(data)
+        elif self._count > self._limit:
+            raise FrameTooLarge(message=f"request exceeds --max-frame-size {self._limit} bytes")
+        return data
+
+    def _scan(self, data: bytes) -> None:
+        i, n = 0, len(data)
+        while i < n:
+            if self._left:
+                step = min(self._left, n - i)
+                self._left -= step
+                i += step
+                continue
+            need = 4 - len(self._header)
+            self._header += data[i : i + need]
+            i += need
+            if len(self._header) == 4:
+                size = int.from_bytes(self._header, "big", signed=True)
+                self._header = b""
+                if not 0 < size <= self._limit:
+                    raise FrameTooLarge(
+                        message=f"frame of {size} bytes refused: --max-frame-size is "
+                        f"{self._limit} bytes"
+                    )
+                self._left = size
+
+
+class _Connection:
+    __slots__ = ("sock", "thread")
+
+    def __init__(self, sock: socket.socket, thread: threading.Thread) -> None:
+        self.sock = sock
+        self.thread = thread
 
 
 class ThriftServer:
@@ -33,7 +109,8 @@ class ThriftServer:
 
     ``make_processor`` builds the processor of one connection around that
     connection's stats. ``idle_timeout_s`` closes a connection that sends
-    nothing for that long (0: never).
+    nothing for that long (0: never). ``tls`` serves TLS (with client
+    certificates if the context requires them).
     """
 
     def __init__(
@@ -45,6 +122,10 @@ class ThriftServer:
         port: int = 7609,
         transport: Transport = "framed",
         idle_timeout_s: float = 600.0,
+        max_connections: int = 1000,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        tls: ssl.SSLContext | None = None,
+        reuse_port: bool = False,
         backlog: int = 1024,
     ) -> None:
         self._make_processor = make_processor
@@ -53,13 +134,19 @@ class ThriftServer:
         self._port = port
         self._transport: Transport = transport
         self._idle_timeout = idle_timeout_s or None
+        self._max_connections = max_connections
+        self._max_frame_size = max_frame_size
+        self._tls = tls
+        self._reuse_port = reuse_port
         self._backlog = backlog
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
         self._lock = threading.Lock()
-        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._connections: dict[int, _Connection] = {}
+        self._next_key = 0
+        self._last_reject_log = float("-inf")
 
     def bind(self) -> tuple[str, int]:
         """Bind and listen; return the address bound (the real port if 0 was asked)."""
@@ -67,6 +154,8 @@ class ThriftServer:
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if self._reuse_port:  # several server processes share one port
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             listener.bind((self._host, self._port))
             listener.listen(self._backlog)
         except OSError:
@@ -115,28 +204,59 @@ class ThriftServer:
         except OSError as e:  # e.g. out of file descriptors: keep serving the others
             log.warning("accept failed: %s", e)
             return
-        conn.setblocking(True)
-        thread = threading.Thread(
-            target=self._serve_connection, args=(conn, peer), name=f"conn-{peer}", daemon=True
-        )
         with self._lock:
-            self._connections[conn] = thread
+            full = len(self._connections) >= self._max_connections
+            if not full:
+                key = self._next_key
+                self._next_key += 1
+                thread = threading.Thread(
+                    target=self._serve_connection,
+                    args=(key, conn, peer),
+                    name=f"conn-{peer}",
+                    daemon=True,
+                )
+                self._connections[key] = _Connection(conn, thread)
+        if full:
+            conn.close()
+            self._metrics.connections_rejected += 1
+            now = time.monotonic()
+            if now - self._last_reject_log > _REJECT_LOG_EVERY_S:
+                self._last_reject_log = now
+                log.warning(
+                    "refusing connections: %d open, --max-connections %d (%d refused so far)",
+                    self._max_connections, self._max_connections,
+                    self._metrics.connections_rejected,
+                )  # fmt: skip
+            return
+        conn.setblocking(True)
         thread.start()
 
-    def _serve_connection(self, conn: socket.socket, peer: object) -> None:
+    def _serve_connection(self, key: int, conn: socket.socket, peer: object) -> None:
         stats = self._metrics.open_connection()
+        protocol: Any = None
         try:
             if conn.family in (socket.AF_INET, socket.AF_INET6):
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                conn = self._handshake(key, conn, stats, peer)
             conn.settimeout(self._idle_timeout)
-            protocol = binary_protocol(server_socket(conn), self._transport)
+            guard = _GuardedSocket(conn, self._max_frame_size, self._transport == "framed")
+            protocol = binary_protocol(guard, self._transport)
             processor = self._make_processor(stats)
             while not self._stopping.is_set():
                 processor.process(protocol, protocol)
+                guard.request_done()
+        except FrameTooLarge as e:
+            stats.count_exception("frame_too_large")
+            log.info("closing connection from %s: %s", peer, e.message)
+            _reply_error(protocol, TApplicationException.PROTOCOL_ERROR, str(e.message))
         except TTransportException as e:
             if e.type != TTransportException.END_OF_FILE:
                 stats.count_exception("protocol_error")
-                log.info("closing connection from %s: %s", peer, e)
+                log.info("closing connection from %s: %s", peer, e.message or e)
+        except ssl.SSLError as e:
+            stats.count_exception("tls_error")
+            log.info("closing connection from %s: TLS: %s", peer, e)
         except OSError as e:  # idle timeout, reset by peer
             log.debug("connection from %s ended: %s", peer, e)
         except Exception as e:  # noqa: BLE001 - bytes that are not Thrift: drop this client only
@@ -144,21 +264,46 @@ class ThriftServer:
             log.info("closing connection from %s: undecodable request: %r", peer, e)
         finally:
             with self._lock:
-                self._connections.pop(conn, None)
+                self._connections.pop(key, None)
             conn.close()
             self._metrics.close_connection(stats)
+
+    def _handshake(
+        self, key: int, conn: socket.socket, stats: ConnectionStats, peer: object
+    ) -> socket.socket:
+        assert self._tls is not None
+        conn.settimeout(_HANDSHAKE_TIMEOUT_S)  # a silent client cannot hold a thread for long
+        wrapped = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        with self._lock:
+            record = self._connections.get(key)
+            if record is not None:
+                record.sock = wrapped  # shut down the TLS socket at drain time
+        wrapped.do_handshake()
+        return wrapped
 
     def _drain(self, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s
         with self._lock:
-            connections = dict(self._connections)
-        for conn in connections:
-            # Ends reads only: a call already read still writes its reply.
+            connections = list(self._connections.values())
+        for connection in connections:
+            # Ends reads only: a call already read still writes its reply. The base
+            # class's shutdown, so that a TLS socket keeps encrypting that reply.
             with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RD)
-        for thread in connections.values():
-            thread.join(max(0.0, deadline - time.monotonic()))
+                socket.socket.shutdown(connection.sock, socket.SHUT_RD)
+        for connection in connections:
+            connection.thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             left = len(self._connections)
         if left:
             log.warning("%d connection(s) still busy after %.1f s; exiting anyway", left, grace_s)
+
+
+def _reply_error(protocol: Any, kind: int, message: str) -> None:
+    """Tell the client why its connection is closed, if the socket still takes it."""
+    if protocol is None:
+        return
+    with contextlib.suppress(Exception):
+        protocol.write_message_begin("", TMessageType.EXCEPTION, 0)
+        TApplicationException(kind, message).write(protocol)
+        protocol.write_message_end()
+        protocol.trans.flush()
