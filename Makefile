@@ -5,10 +5,25 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-# command:Debian package, for each outside tool the tests start
-TEST_TOOLS := promtool:prometheus faketime:faketime
+# Debian's golang-thrift-dev: the Go Thrift library, used without the Go module proxy
+GO_THRIFT ?= /usr/share/gocode/src/github.com/apache/thrift
+# command (or /absolute/file):Debian package, for each outside tool the tests start.
+# The client tests need the Thrift compiler, Node.js + npm (npm `thrift` is in
+# clients/node/package-lock.json), a JDK with Debian's libthrift-java, and Go with
+# Debian's golang-thrift-dev: nothing from Maven Central or the Go module proxy.
+TEST_TOOLS := promtool:prometheus faketime:faketime /usr/share/java/zookeeper.jar:zookeeper \
+	thrift:thrift-compiler node:nodejs npm:npm \
+	javac:default-jdk-headless /usr/share/java/thrift.jar:libthrift-java \
+	/usr/share/java/slf4j-nop.jar:libslf4j-java \
+	go:golang-go $(GO_THRIFT)/lib/go/thrift/transport.go:golang-thrift-dev
 
-.PHONY: install system-deps run check test bench clean
+# make stubs: client code generated from the IDL by the Apache Thrift compiler into
+# $(CLIENTS)/<language>/gen-*, never committed (the IDL is the single source of truth).
+THRIFT    ?= thrift
+IDL       := idl/snowflake.thrift
+CLIENTS   ?= clients
+
+.PHONY: install system-deps stubs node-deps run check test bench clean soak
 
 install: $(VENV)/.installed
 
@@ -23,13 +38,36 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 system-deps:
-	@missing=""; for pair in $(TEST_TOOLS); do \
-	  command -v "$${pair%%:*}" >/dev/null 2>&1 || missing="$$missing $${pair##*:}"; done; \
+	@missing=""; for pair in $(TEST_TOOLS); do tool="$${pair%%:*}"; \
+	  case "$$tool" in /*) [ -e "$$tool" ];; *) command -v "$$tool" >/dev/null 2>&1;; esac \
+	    || missing="$$missing $${pair##*:}"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
+
+stubs:
+	@command -v $(THRIFT) >/dev/null 2>&1 || { echo "make stubs needs the Apache Thrift \
+	compiler: apt-get install thrift-compiler (make system-deps installs it)" >&2; exit 1; }
+	rm -rf $(CLIENTS)/python/gen-py $(CLIENTS)/java/gen-java $(CLIENTS)/go/gen-go \
+	  $(CLIENTS)/node/gen-nodejs $(CLIENTS)/go/thrift-debian
+	mkdir -p $(CLIENTS)/python/gen-py $(CLIENTS)/java/gen-java $(CLIENTS)/go/gen-go \
+	  $(CLIENTS)/node/gen-nodejs $(CLIENTS)/go/thrift-debian
+	$(THRIFT) --gen py -out $(CLIENTS)/python/gen-py $(IDL)
+	$(THRIFT) --gen java -out $(CLIENTS)/java/gen-java $(IDL)
+	$(THRIFT) --gen go:skip_remote -out $(CLIENTS)/go/gen-go $(IDL)
+	$(THRIFT) --gen js:node -out $(CLIENTS)/node/gen-nodejs $(IDL)
+	@# Debian's Go Thrift library as a module, for the replace line in clients/go/go.mod
+	printf 'module github.com/apache/thrift\n\ngo 1.19\n' > $(CLIENTS)/go/thrift-debian/go.mod
+	ln -s $(GO_THRIFT)/lib $(CLIENTS)/go/thrift-debian/lib
+
+# npm `thrift` (and node-int64) for the Node.js example and interop test
+node-deps: clients/node/node_modules/.package-lock.json
+
+clients/node/node_modules/.package-lock.json: clients/node/package.json clients/node/package-lock.json | system-deps
+	cd clients/node && npm ci --no-audit --no-fund
+	touch $@
 
 run: install
 	$(BIN)/snowflake-server
@@ -39,11 +77,26 @@ check: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: install system-deps check
+test: install system-deps node-deps check
 	$(BIN)/pytest
 
-bench: install
-	$(BIN)/python bench/run_bench.py
+# The benchmark harness (about 3-4 minutes; BENCH_ARGS=--quick for a smoke run under a
+# minute): results in bench/results/<time>/ and bench/results/latest.{md,png}.
+# Its extra (matplotlib, snowflake-id) is installed here only, never by install or test.
+BENCH_ARGS ?=
+bench: $(VENV)/.installed-bench
+	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
+
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	touch $@
+
+# A bounded minute of mixed load with faults (garbage, floods, restarts) on 127.0.0.1;
+# reports threads, file descriptors and memory at the start and the end.
+soak: install
+	$(BIN)/python bench/soak.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build *.egg-info \
+	  clients/*/gen-* clients/go/thrift-debian clients/go/bin clients/java/build \
+	  clients/node/node_modules

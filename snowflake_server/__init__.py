@@ -6,7 +6,14 @@ underscore, and names not listed in ``__all__``, may change without notice.
 
 from __future__ import annotations
 
-from .client import SnowflakeClient
+from .client import (
+    CallFailedError,
+    Discovery,
+    NoServerAvailableError,
+    ServerAddress,
+    SnowflakeClient,
+    SnowflakePool,
+)
 from .errors import (
     ClockMovedBackwardsError,
     ConfigurationError,
@@ -32,17 +39,22 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_LAYOUT",
     "TWITTER_EPOCH_MS",
+    "CallFailedError",
     "ClockMovedBackwardsError",
     "ConfigurationError",
     "DecodedId",
+    "Discovery",
     "GeneratorSettings",
     "IdGenerator",
     "InvalidCountError",
     "InvalidUserAgentError",
     "Layout",
+    "NoServerAvailableError",
     "RequestError",
+    "ServerAddress",
     "SnowflakeClient",
     "SnowflakeError",
+    "SnowflakePool",
     "TimestampOverflowError",
     "__version__",
     "compose",

@@ -34,15 +34,13 @@ from .generator import IdSource, wall_clock_ms
 from .handler import Processor, SnowflakeHandler, service_methods
 from .metrics import ConnectionStats, ServiceMetrics
 from .server import ThriftServer
+from .supervisor import READY_PREFIX, Supervisor
 from .tls import server_context
 from .worker import CurrentReservation, Worker, WorkerSlot
 
 __all__ = ["main", "serve"]
 
 log = logging.getLogger("snowflake_server")
-
-READY_PREFIX = "snowflake-server ready"
-"""Start of the line printed on stdout once both ports accept connections."""
 
 
 def serve(settings: ServerSettings) -> int:
@@ -86,6 +84,7 @@ def serve(settings: ServerSettings) -> int:
             max_connections=settings.max_connections,
             max_frame_size=settings.max_frame_size,
             tls=tls,
+            reuse_port=settings.reuse_port,
         )
         cleanup.callback(server.close)
         try:
@@ -175,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
+        if settings.processes > 1:
+            return Supervisor(settings).run()
         return serve(settings)
     except ConfigurationError as e:
         print(f"snowflake-server: error: {e}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """``snowflake``: get ids from a server, or decode ids.
 
-    snowflake get [--host H] [--port P] [--count N] [--agent A] [--json]
+    snowflake get [--server HOST:PORT ...] [--count N] [--agent A] [--json]
     snowflake decode ID [ID ...] [--json]
 
 ``--json`` prints ids as strings: they exceed JavaScript's 2^53.
@@ -10,15 +10,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 
-from thriftpy2.thrift import TException
-from thriftpy2.transport import TTransportException
+from thriftpy2.thrift import TApplicationException
 
-from .client import SnowflakeClient
+from .client import (
+    DEFAULT_PORT,
+    CallFailedError,
+    Discovery,
+    NoServerAvailableError,
+    SnowflakePool,
+    parse_server,
+)
 from .config import OPTIONS, ServerSettings
-from .errors import ConfigurationError
+from .discovery import ZooKeeperDiscovery
+from .errors import ClockMovedBackwardsError, ConfigurationError, RequestError
 from .generator import DecodedId, Layout
 
 __all__ = ["main"]
@@ -39,8 +47,19 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     get = commands.add_parser("get", help="print new ids from a server, one per line")
-    get.add_argument("--host", default="127.0.0.1", help="server address (default 127.0.0.1)")
-    get.add_argument("--port", type=int, default=7609, help="server port (default 7609)")
+    get.add_argument(
+        "--server", action="append", type=_server, metavar="HOST:PORT",
+        help="a server to ask; repeat it to fail over to the next ones (default 127.0.0.1:7609)",
+    )  # fmt: skip
+    get.add_argument(
+        "--zookeeper", metavar="HOSTS",
+        help="find the servers registered in this ZooKeeper ensemble (cluster mode), "
+        "instead of --server",
+    )  # fmt: skip
+    get.add_argument("--zk-path", default="/snowflake-servers",
+                     help="ZooKeeper path of the cluster (default /snowflake-servers)")  # fmt: skip
+    get.add_argument("--host", help="server address (default 127.0.0.1), instead of --server")
+    get.add_argument("--port", type=int, help=f"server port (default {DEFAULT_PORT})")
     get.add_argument("--transport", choices=("framed", "buffered"), default="framed",
                      help="Thrift transport (default framed)")  # fmt: skip
     get.add_argument(
@@ -50,7 +69,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="how many ids, 1..2^sequence_bits: 4096 by default (default 1)",
     )
     get.add_argument("--agent", default="snowflake-cli", help="user agent (default snowflake-cli)")
-    get.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    get.add_argument("--timeout", type=_seconds, default=5.0,
+                     help="seconds to wait for a connection or a reply (default 5)")  # fmt: skip
     get.add_argument("--json", action="store_true", help="print a JSON array of id strings")
 
     decode = commands.add_parser("decode", help="print the time and parts of ids")
@@ -67,27 +87,78 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _get(args: argparse.Namespace) -> int:
-    with SnowflakeClient(
-        args.host, args.port, agent=args.agent, transport=args.transport, timeout=args.timeout
-    ) as client:
+def _server(text: str) -> tuple[str, int]:
+    try:
+        return parse_server(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
+
+
+def _servers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[tuple[str, int]]:
+    if args.server and (args.host is not None or args.port is not None):
+        parser.error("give either --server or --host/--port, not both")
+    if args.zookeeper and (args.server or args.host is not None or args.port is not None):
+        parser.error("give either --zookeeper or --server/--host/--port, not both")
+    if args.server:
+        return list(args.server)
+    host = "127.0.0.1" if args.host is None else args.host
+    return [parse_server((host, DEFAULT_PORT if args.port is None else args.port))]
+
+
+def _explain(address: str, failure: Exception, transport: str) -> str:
+    if isinstance(failure, CallFailedError):
+        if not failure.connected:
+            return f"cannot reach {failure.address}: {failure.reason}"
+        if failure.timed_out:
+            return f"no reply in time from {failure.address}"
+        if isinstance(failure.__cause__, TApplicationException):
+            return f"error from {failure.address}: {failure.reason}"
+        hint = f"does it speak --transport {transport}?"
+        return f"no valid reply from {failure.address} ({hint}): {failure.reason}"
+    name = "InvalidSystemClock" if isinstance(failure, ClockMovedBackwardsError) else None
+    return f"{address} refused: {name or type(failure).__name__}: {failure}"
+
+
+def _get(args: argparse.Namespace, servers: list[tuple[str, int]]) -> int:
+    # Failures are reported below, once; the pool's own warnings would repeat them.
+    client_log = logging.getLogger("snowflake_server.client")
+    level = client_log.level
+    client_log.setLevel(logging.ERROR)
+    try:
+        if not args.zookeeper:
+            return _get_from(args, servers)
+        with ZooKeeperDiscovery(args.zookeeper, args.zk_path, timeout=args.timeout) as found:
+            return _get_from(args, found)
+    finally:
+        client_log.setLevel(level)
+
+
+def _get_from(args: argparse.Namespace, servers: list[tuple[str, int]] | Discovery) -> int:
+    with SnowflakePool(
+        servers, agent=args.agent, transport=args.transport, timeout=args.timeout, pool_size=1
+    ) as pool:
         try:
-            ids = client.next_ids(args.count) if args.count != 1 else [client.next_id()]
-        except TTransportException as e:
-            if e.type == TTransportException.NOT_OPEN:
-                print(f"snowflake get: cannot reach {args.host}:{args.port}: {e}", file=sys.stderr)
-            else:
-                hint = f"does it speak --transport {args.transport}?"
-                print(f"snowflake get: no valid reply from {args.host}:{args.port} ({hint}): {e}",
-                      file=sys.stderr)  # fmt: skip
+            ids = pool.next_ids(args.count) if args.count != 1 else [pool.next_id()]
+        except RequestError as e:
+            print(f"snowflake get: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
-        except OSError as e:
-            print(f"snowflake get: cannot reach {args.host}:{args.port}: {e}", file=sys.stderr)
-            return 1
-        except TException as e:
-            message = getattr(e, "message", None) or str(e)
-            print(f"snowflake get: {type(e).__name__} from {args.host}:{args.port}: {message}",
-                  file=sys.stderr)  # fmt: skip
+        except NoServerAvailableError as e:
+            seen = set()
+            for address, failure in e.failures:
+                line = _explain(address, failure, args.transport)
+                if line not in seen:
+                    seen.add(line)
+                    print(f"snowflake get: {line}", file=sys.stderr)
             return 1
     if args.json:
         print(json.dumps([str(i) for i in ids]))
@@ -138,9 +209,10 @@ def _decode(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``snowflake``."""
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
     try:
-        return _get(args) if args.command == "get" else _decode(args)
+        return _get(args, _servers(args, parser)) if args.command == "get" else _decode(args)
     except ConfigurationError as e:
         print(f"snowflake {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -68,6 +68,8 @@ class ServerSettings:
     tls_client_ca: str = ""
     audit_log: str = ""
     audit_queue: int = 100_000
+    processes: int = 1
+    reuse_port: bool = False
 
     @property
     def auto_worker_id(self) -> bool:
@@ -249,6 +251,11 @@ OPTIONS: tuple[Option, ...] = (
            "are dropped, and counted, if the disk falls behind).", "FILE"),
     Option("audit_queue", _positive(int),
            "Audit entries that may wait in memory before new ones are dropped.", "N"),
+    Option("processes", _positive(int),
+           "Run this many server processes on the one port (SO_REUSEPORT), each with its "
+           "own worker id: consecutive from --worker-id, or leased with auto.", "N"),
+    Option("reuse_port", _bool,
+           "Let several processes listen on --port (SO_REUSEPORT); --processes sets it."),
 )  # fmt: skip
 
 _BY_NAME = {option.name: option for option in OPTIONS}

@@ -50,9 +50,12 @@ TWITTER_EPOCH_MS = 1288834974657
 _ID_BITS = 63  # the sign bit stays 0 so ids are positive in every language's i64
 
 
+_time_ns = time.time_ns
+
+
 def wall_clock_ms() -> int:
     """The system's wall clock in whole ms since the Unix epoch."""
-    return time.time_ns() // 1_000_000
+    return _time_ns() // 1_000_000
 
 
 _NEVER_SET = threading.Event()
@@ -325,6 +328,8 @@ class IdGenerator:
         self._sleep = sleep
         self._randbelow = randbelow
         self._lock = threading.Lock()
+        self._acquire = self._lock.acquire
+        self._release = self._lock.release
         # Hot-path constants, read once instead of through properties per id.
         self._epoch = layout.epoch_ms
         self._ts_shift = layout.timestamp_shift
@@ -341,7 +346,13 @@ class IdGenerator:
         # The resume point counts as used up: the next id is stamped after it.
         self._last_ts = resume_after_ms
         self._sequence = self._max_sequence
-        self.ids_generated = 0
+        self._base = 0  # the id bits of the current ms; set with each new ms
+        # The default clock is read inline on the hot path, saving a call per id.
+        self._wall_clock = clock is wall_clock_ms
+        # ids_generated is derived, not counted per id: the ids of finished ms plus
+        # the span of the current ms (sequences _first_sequence.._sequence).
+        self._ids_before_this_ms = 0
+        self._first_sequence = self._max_sequence + 1  # no id in the resume ms
         self.clock_backwards_waited = 0
         self.clock_backwards_refused = 0
         self.sequence_exhausted_waits = 0
@@ -372,15 +383,29 @@ class IdGenerator:
         with self._lock:
             self._reserve = None
             self._ceiling = self._last_ts
-            self._sequence = self._max_sequence  # the current ms is closed too
+            # Close the current ms too, keeping the derived id count exact.
+            self._ids_before_this_ms += self._sequence - self._first_sequence + 1
+            self._first_sequence = self._max_sequence + 1
+            self._sequence = self._max_sequence
             return self._last_ts
 
     def next_id(self) -> int:
         """One new id. Raises ``ClockMovedBackwardsError`` or ``TimestampOverflowError``."""
-        with self._lock:
-            ts = self._advance()
-            self.ids_generated += 1
-            return ((ts - self._epoch) << self._ts_shift) | self._node | self._sequence
+        # Bound acquire/release in try/finally: measurably cheaper than `with` per id.
+        self._acquire()
+        try:
+            # The common case inline: same ms, sequence left. Everything else,
+            # the clock checks first of all, is in _advance.
+            now = _time_ns() // 1_000_000 if self._wall_clock else self._clock()
+            sequence = self._sequence + 1
+            if now == self._last_ts and sequence <= self._max_sequence:
+                self._sequence = sequence
+            else:
+                self._advance(now)
+                sequence = self._sequence
+            return self._base | sequence
+        finally:
+            self._release()
 
     def next_ids(self, count: int) -> list[int]:
         """``count`` new ids (1 up to one ms worth, 4,096 by default), increasing.
@@ -394,50 +419,63 @@ class IdGenerator:
             )
         ids: list[int] = []
         with self._lock:
-            while len(ids) < count:
-                ts = self._advance()
-                first = self._sequence
-                last = min(first + count - len(ids), self._max_sequence + 1) - 1
-                # Ids of one ms differ only in the sequence field: a contiguous range.
-                base = ((ts - self._epoch) << self._ts_shift) | self._node
-                ids.extend(range(base + first, base + last + 1))
-                self._sequence = last
-            self.ids_generated += count
+            try:
+                while len(ids) < count:
+                    self._advance(self._clock())
+                    first = self._sequence
+                    last = min(first + count - len(ids), self._max_sequence + 1) - 1
+                    # Ids of one ms differ only in the sequence field: a contiguous range.
+                    base = self._base
+                    ids.extend(range(base + first, base + last + 1))
+                    self._sequence = last
+            except BaseException:
+                self._ids_before_this_ms -= len(ids)  # claimed but never handed out
+                raise
         return ids
 
-    def _advance(self) -> int:
-        """Claim the next free (timestamp, sequence) slot; return its timestamp.
+    @property
+    def ids_generated(self) -> int:
+        """Ids handed out so far (exact: read under the lock)."""
+        with self._lock:
+            return self._ids_before_this_ms + self._sequence - self._first_sequence + 1
 
-        The claimed sequence is left in ``self._sequence``. Caller holds the lock.
-        The backwards check comes before the sequence is touched (Twitter #6).
+    def _advance(self, now: int) -> None:
+        """Claim the next free (timestamp, sequence) slot, ``now`` being the clock's
+        reading. The claimed sequence is left in ``self._sequence`` and the id bits of
+        its ms in ``self._base``. Caller holds the lock. The backwards check comes
+        before the sequence is touched (Twitter #6).
         """
         last = self._last_ts
         waited_back = waited_full = False
         while True:
-            now = self._clock()
             if now > last:
                 if now > self._ceiling:
                     self._pass_ceiling(now)
+                self._ids_before_this_ms += self._sequence - self._first_sequence + 1
                 self._last_ts = now
-                self._sequence = self._randbelow(self._random_start) if self._random_start else 0
-                return now
-            if now == last:
+                self._base = ((now - self._epoch) << self._ts_shift) | self._node
+                self._first_sequence = self._sequence = (
+                    self._randbelow(self._random_start) if self._random_start else 0
+                )
+                return
+            elif now == last:
                 if self._sequence < self._max_sequence:
                     self._sequence += 1
-                    return now
+                    return
                 if not waited_full:
                     waited_full = True
                     self.sequence_exhausted_waits += 1
                 self._sleep(_EXHAUSTED_POLL_S)
-                continue
-            behind = last - now
-            if behind > self._tolerance:
-                self.clock_backwards_refused += 1
-                raise ClockMovedBackwardsError(behind)
-            if not waited_back:
-                waited_back = True
-                self.clock_backwards_waited += 1
-            self._sleep(behind / 1000)
+            else:
+                behind = last - now
+                if behind > self._tolerance:
+                    self.clock_backwards_refused += 1
+                    raise ClockMovedBackwardsError(behind)
+                if not waited_back:
+                    waited_back = True
+                    self.clock_backwards_waited += 1
+                self._sleep(behind / 1000)
+            now = self._clock()
 
     def _pass_ceiling(self, now: int) -> None:
         if now > self._max_ts:

@@ -233,8 +233,10 @@ class Processor:
                 self._stats.count_exception(kind)
         except Exception as e:  # noqa: BLE001 - any bug must still reach the client as a reply
             reply, mtype = self._internal_error(name, e), TMessageType.EXCEPTION
-        _write(oprot, name, mtype, seqid, reply)
+        # Counted before the reply goes out: a client that scrapes right after its
+        # call sees the call counted.
         self._stats.observe(name, time.perf_counter() - start)
+        _write(oprot, name, mtype, seqid, reply)
 
     def _internal_error(self, name: str, error: Exception) -> TApplicationException:
         log.exception("internal error in %s", name, exc_info=error)

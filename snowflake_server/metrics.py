@@ -225,7 +225,7 @@ class ServiceMetrics(Collector):
     def _latency(self, total: ConnectionStats) -> HistogramMetricFamily:
         family = HistogramMetricFamily(
             "snowflake_request_duration_seconds",
-            "Time to serve a call, from its request read to its reply written, by method.",
+            "Time to serve a call, from its request read to its reply ready to send, by method.",
             labels=["method"],
         )
         for method in self._methods:

@@ -22,9 +22,9 @@ from typing import IO, Any
 import thriftpy2
 from thriftpy2.thrift import TClient
 
-from snowflake_server.app import READY_PREFIX
 from snowflake_server.client import SnowflakeClient
 from snowflake_server.idl_loader import snowflake_thrift
+from snowflake_server.supervisor import READY_PREFIX
 from snowflake_server.transports import Transport, binary_protocol, client_socket
 
 DATA = Path(__file__).parent / "data"

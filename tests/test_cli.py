@@ -69,3 +69,43 @@ def test_get_from_nowhere(capsys: pytest.CaptureFixture[str]) -> None:
         port = s.getsockname()[1]
     assert main(["get", "--port", str(port), "--timeout", "2"]) == 1
     assert f"cannot reach 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_get_fails_over_across_servers(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    servers = ["--server", f"127.0.0.1:{dead}", "--server", f"127.0.0.1:{server.port}"]
+    assert main(["get", *servers, "--count", "2", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert len(json.loads(out)) == 2 and err == ""
+    assert main(["get", "--server", f"127.0.0.1:{dead}", "--timeout", "2"]) == 1
+    assert f"cannot reach 127.0.0.1:{dead}" in capsys.readouterr().err
+
+
+def test_get_explains_a_transport_mismatch(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["get", "--port", str(server.port), "--transport", "buffered"]) == 1
+    err = capsys.readouterr().err
+    assert f"no valid reply from 127.0.0.1:{server.port}" in err
+    assert "does it speak --transport buffered?" in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--server", "127.0.0.1:1", "--port", "2"],
+        ["--server", "no:port:here"],
+        ["--timeout", "0"],
+    ],
+)
+def test_get_refuses_bad_arguments(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["get", *args])
+    assert info.value.code == 2
+    assert "error:" in capsys.readouterr().err

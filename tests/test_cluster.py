@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from snowflake_server.cli import main as cli_main
+from snowflake_server.client import SnowflakePool
+from snowflake_server.discovery import ZooKeeperDiscovery
+from snowflake_server.generator import decompose
 from snowflake_server.idl_loader import snowflake_thrift
 from tests.support import (
     FakeTime,
@@ -317,3 +321,35 @@ def test_a_recycled_worker_id_resumes_above_the_old_mark(
     assert min(load.ids) > max(old_ids), "every id above every id of the previous holder"
     assert load.duplicates() == 0 and len(set(load.ids) & set(old_ids)) == 0
     assert metric(second, "snowflake_startup_clock_wait_seconds") > 2.0
+
+
+def test_clients_find_the_nodes_through_zookeeper(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start], zk_path: str
+) -> None:
+    start = cluster(shared_zk)
+    nodes = [start("--worker-id", "auto") for _ in range(2)]
+    with ZooKeeperDiscovery(shared_zk.hosts, zk_path) as discovery:
+        assert sorted(discovery()) == sorted(f"127.0.0.1:{n.port}" for n in nodes)
+        with SnowflakePool(
+            discovery, agent="discovered", refresh_interval=0.2, pool_size=4
+        ) as pool:
+            ids = [i for _ in range(50) for i in pool.next_ids(10)]
+            nodes[0].stop()  # deletes its registration; the pool drops it and fails over
+            wait_until(lambda: len(discovery()) == 1, 10, "the registration to go")
+            ids += [i for _ in range(50) for i in pool.next_ids(10)]
+    assert len(set(ids)) == len(ids) == 1000
+    assert {decompose(i).worker_id for i in ids[-100:]} == {1}
+
+
+def test_snowflake_get_through_zookeeper(
+    shared_zk: ZooKeeper,
+    cluster: Callable[..., Start],
+    zk_path: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    node = cluster(shared_zk)("--worker-id", "9")
+    args = ["get", "--zookeeper", shared_zk.hosts, "--zk-path", zk_path, "--count", "3"]
+    assert cli_main(args) == 0
+    ids = [int(line) for line in capsys.readouterr().out.split()]
+    assert len(ids) == 3 and {decompose(i).worker_id for i in ids} == {9}
+    assert node.raw_client().get_worker_id() == 9

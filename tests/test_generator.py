@@ -309,3 +309,34 @@ def test_resume_after_skips_the_used_ms() -> None:
     clock = FakeClock(T0)
     gen = IdGenerator(GeneratorSettings(), clock=clock, sleep=clock.sleep, resume_after_ms=T0)
     assert decompose(gen.next_id()).timestamp_ms == T0 + 1
+
+
+def test_the_id_count_is_exact_through_batches_errors_and_sealing() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock, sequence_start="random")
+    gen.next_id()
+    gen.next_ids(4096)  # crosses into the next ms
+    clock.now += 5
+    gen.next_ids(10)
+    assert gen.ids_generated == 4107
+    clock.now -= 1000
+    with pytest.raises(ClockMovedBackwardsError):
+        gen.next_ids(3)
+    assert gen.ids_generated == 4107, "a refused batch hands out nothing"
+    clock.now += 1000
+    gen.seal()
+    assert gen.ids_generated == 4107, "sealing closes the ms without counting more"
+
+
+def test_a_batch_cut_short_counts_only_what_it_returned() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock, max_backwards_ms=5)
+    gen.next_ids(4000)
+
+    def jump_back(seconds: float) -> None:
+        clock.now -= 60_000  # the clock steps back while the batch waits for the next ms
+
+    gen._sleep = jump_back
+    with pytest.raises(ClockMovedBackwardsError):
+        gen.next_ids(200)  # 96 fit this ms; the rest would need the next
+    assert gen.ids_generated == 4000

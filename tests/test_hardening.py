@@ -167,6 +167,7 @@ def test_fuzz_leaves_the_server_serving(strategy: Any) -> None:
     server = start_server()
     try:
         fuzz = _Fuzz(server)
+        assert fuzz.good.get_id("first") > 0  # its connection thread runs: part of the baseline
         baseline_threads = threads(server)
         send(server, _VALID[0])  # warm up before measuring memory
         before = rss_kib(server)

@@ -1,0 +1,88 @@
+"""Finding servers through ZooKeeper: the registrations of cluster mode.
+
+A :class:`ZooKeeperDiscovery` is a :data:`~snowflake_server.client.Discovery`
+for :class:`~snowflake_server.SnowflakePool`: called, it returns the
+``host:port`` of every node registered under ``<zk-path>/nodes``. The pool
+asks again every ``refresh_interval`` seconds and keeps the last list if
+ZooKeeper cannot be reached.
+
+    with ZooKeeperDiscovery("zk1:2181,zk2:2181") as servers:
+        with SnowflakePool(servers, agent="my-service") as ids:
+            ids.next_id()
+"""
+
+from __future__ import annotations
+
+import threading
+from types import TracebackType
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+
+__all__ = ["ZooKeeperDiscovery"]
+
+
+class ZooKeeperDiscovery:
+    """The nodes registered in ZooKeeper (all datacenters, or only ``datacenter``)."""
+
+    def __init__(
+        self,
+        hosts: str,
+        zk_path: str = "/snowflake-servers",
+        *,
+        datacenter: int | None = None,
+        timeout: float = 5.0,
+    ) -> None:
+        self._hosts = hosts
+        self._root = f"{zk_path}/nodes"
+        self._datacenter = datacenter
+        self._timeout = timeout
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> list[str]:
+        """``host:port`` of each registered node, in worker order. Raises on no ZooKeeper."""
+        with self._lock:
+            if self._client is None:
+                client = KazooClient(hosts=self._hosts, timeout=self._timeout, read_only=True)
+                client.start(timeout=self._timeout)
+                self._client = client
+            client = self._client
+        found = []
+        datacenters = (
+            [str(self._datacenter)] if self._datacenter is not None else self._children(self._root)
+        )
+        for dc in datacenters:
+            for worker in self._children(f"{self._root}/{dc}"):
+                try:
+                    data, _ = client.get(f"{self._root}/{dc}/{worker}")
+                except NoNodeError:
+                    continue  # went away meanwhile
+                found.append(data.decode())
+        return found
+
+    def _children(self, path: str) -> list[str]:
+        try:
+            names = self._client.get_children(path)
+        except NoNodeError:
+            return []
+        return sorted(names, key=lambda name: (len(name), name))
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.stop()
+            client.close()
+
+    def __enter__(self) -> ZooKeeperDiscovery:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
