@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from thriftpy2.thrift import TApplicationException
 
+from . import bench
 from .client import (
     DEFAULT_PORT,
     CallFailedError,
@@ -73,6 +74,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="seconds to wait for a connection or a reply (default 5)")  # fmt: skip
     get.add_argument("--json", action="store_true", help="print a JSON array of id strings")
 
+    bench.add_subcommand(commands)
     decode = commands.add_parser("decode", help="print the time and parts of ids")
     decode.add_argument("ids", nargs="+", metavar="ID")
     decode.add_argument("--json", action="store_true", help="print a JSON array of objects")

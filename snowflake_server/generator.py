@@ -347,8 +347,11 @@ class IdGenerator:
         self._last_ts = resume_after_ms
         self._sequence = self._max_sequence
         self._base = 0  # the id bits of the current ms; set with each new ms
-        # The default clock is read inline on the hot path, saving a call per id.
-        self._wall_clock = clock is wall_clock_ms
+        # The hot path reads nanoseconds: the default clock is then time.time_ns itself,
+        # a builtin, with no Python call in between.
+        self._clock_ns: Callable[[], int] = (
+            _time_ns if clock is wall_clock_ms else (lambda: clock() * 1_000_000)
+        )
         # ids_generated is derived, not counted per id: the ids of finished ms plus
         # the span of the current ms (sequences _first_sequence.._sequence).
         self._ids_before_this_ms = 0
@@ -396,7 +399,7 @@ class IdGenerator:
         try:
             # The common case inline: same ms, sequence left. Everything else,
             # the clock checks first of all, is in _advance.
-            now = _time_ns() // 1_000_000 if self._wall_clock else self._clock()
+            now = self._clock_ns() // 1_000_000
             sequence = self._sequence + 1
             if now == self._last_ts and sequence <= self._max_sequence:
                 self._sequence = sequence

@@ -19,6 +19,7 @@ import logging
 import selectors
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -245,7 +246,11 @@ class ThriftServer:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 conn = self._handshake(key, conn, stats, peer)
-            conn.settimeout(self._idle_timeout)
+            # A blocking socket with the kernel's timeouts: Python's own timeout
+            # mode polls before every read and write, a fifth of a call's cost.
+            conn.settimeout(None)
+            if self._idle_timeout:
+                _kernel_timeouts(conn, self._idle_timeout)
             guard = _GuardedSocket(conn, self._max_frame_size, self._transport == "framed")
             protocol = binary_protocol(guard, self._transport)
             processor = self._make_processor(stats)
@@ -260,10 +265,12 @@ class ThriftServer:
             if e.type != TTransportException.END_OF_FILE:
                 stats.count_exception("protocol_error")
                 log.info("closing connection from %s: %s", peer, e.message or e)
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
+            log.debug("closing idle connection from %s: %s", peer, e)  # the kernel timeout
         except ssl.SSLError as e:
             stats.count_exception("tls_error")
             log.info("closing connection from %s: TLS: %s", peer, e)
-        except OSError as e:  # idle timeout, reset by peer
+        except OSError as e:  # reset by peer, handshake timeout
             log.debug("connection from %s ended: %s", peer, e)
         except Exception as e:  # noqa: BLE001 - bytes that are not Thrift: drop this client only
             stats.count_exception("protocol_error")
@@ -302,6 +309,14 @@ class ThriftServer:
             left = len(self._connections)
         if left:
             log.warning("%d connection(s) still busy after %.1f s; exiting anyway", left, grace_s)
+
+
+def _kernel_timeouts(conn: socket.socket, seconds: float) -> None:
+    """Reads and writes that wait longer than ``seconds`` fail with EAGAIN."""
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 def _reply_error(protocol: Any, kind: int, message: str) -> None:
