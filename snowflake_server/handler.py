@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import re
 import time
 from collections.abc import Callable
@@ -146,7 +147,7 @@ class SnowflakeHandler:
 class _MethodSpec:
     args_cls: Any
     result_cls: Any
-    arg_names: tuple[str, ...]
+    arguments: Callable[[Any], tuple[Any, ...]]  # the call's arguments, in IDL order
     # request error type -> (result field that declares it, IDL exception class, metric kind)
     errors: dict[type[RequestError], tuple[str, Any, str]]
 
@@ -169,8 +170,17 @@ def _method_specs() -> dict[str, _MethodSpec]:
             if idl_name in declared
         }
         arg_names = tuple(spec[1] for _, spec in sorted(args_cls.thrift_spec.items()))
-        specs[name] = _MethodSpec(args_cls, result_cls, arg_names, errors)
+        specs[name] = _MethodSpec(args_cls, result_cls, _getter(arg_names), errors)
     return specs
+
+
+def _getter(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
+    if not names:
+        return lambda _: ()
+    if len(names) == 1:
+        one = operator.attrgetter(names[0])
+        return lambda args: (one(args),)
+    return operator.attrgetter(*names)
 
 
 def service_methods() -> tuple[str, ...]:
@@ -221,7 +231,7 @@ class Processor:
         reply: Any = result
         mtype = TMessageType.REPLY
         try:
-            result.success = method(*[getattr(args, arg) for arg in spec.arg_names])
+            result.success = method(*spec.arguments(args))
         except RequestError as e:
             # The most specific declared base: ReservationError is an UnavailableError.
             declared = next((spec.errors[c] for c in type(e).__mro__ if c in spec.errors), None)
