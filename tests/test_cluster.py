@@ -353,3 +353,43 @@ def test_snowflake_get_through_zookeeper(
     ids = [int(line) for line in capsys.readouterr().out.split()]
     assert len(ids) == 3 and {decompose(i).worker_id for i in ids} == {9}
     assert node.raw_client().get_worker_id() == 9
+
+
+def test_out_of_worker_ids_is_a_clear_refusal(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start]
+) -> None:
+    start = cluster(shared_zk)
+    narrow = ("--worker-id", "auto", "--worker-id-bits", "1", "--datacenter-id-bits", "9")
+    held = sorted(start(*narrow).raw_client().get_worker_id() for _ in range(2))
+    assert held == [0, 1]
+    with pytest.raises(ServerDidNotStart) as info:
+        start(*narrow)
+    assert info.value.returncode == 3
+    assert "all 2 worker ids of datacenter 0 are leased" in info.value.log
+
+
+def test_processes_lease_their_own_ids(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start], zk_path: str
+) -> None:
+    node = cluster(shared_zk)("--worker-id", "auto", "--processes", "2")
+    counts = parse_metrics(node.metrics())
+    assert {
+        counts['snowflake_worker_id{process="0"}'],
+        counts['snowflake_worker_id{process="1"}'],
+    } == {
+        0.0,
+        1.0,
+    }
+    with Load([node], per_server=4) as load:
+        wait_until(lambda: load.count() > 5000, 20, "load")
+    assert load.duplicates() == 0
+    # 40 new connections: the kernel spreads them over both processes.
+    assert {decompose(node.raw_client().get_id("spread")).worker_id for _ in range(40)} == {0, 1}
+    assert node.stop() == 0
+    zk = shared_zk.client()
+    zk.start()
+    try:
+        assert zk.get_children(f"{zk_path}/nodes/0") == [], "both registrations deleted"
+    finally:
+        zk.stop()
+        zk.close()
