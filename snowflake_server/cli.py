@@ -114,7 +114,10 @@ def _servers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[
     if args.server:
         return list(args.server)
     host = "127.0.0.1" if args.host is None else args.host
-    return [parse_server((host, DEFAULT_PORT if args.port is None else args.port))]
+    try:
+        return [parse_server((host, DEFAULT_PORT if args.port is None else args.port))]
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def _explain(address: str, failure: Exception, transport: str) -> str:
@@ -132,17 +135,19 @@ def _explain(address: str, failure: Exception, transport: str) -> str:
 
 
 def _get(args: argparse.Namespace, servers: list[tuple[str, int]]) -> int:
-    # Failures are reported below, once; the pool's own warnings would repeat them.
-    client_log = logging.getLogger("snowflake_server.client")
-    level = client_log.level
-    client_log.setLevel(logging.ERROR)
+    # Failures are reported below, once; the pool's and kazoo's own logs would repeat them.
+    quiet = [logging.getLogger(name) for name in ("snowflake_server.client", "kazoo")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
     try:
         if not args.zookeeper:
             return _get_from(args, servers)
         with ZooKeeperDiscovery(args.zookeeper, args.zk_path, timeout=args.timeout) as found:
             return _get_from(args, found)
     finally:
-        client_log.setLevel(level)
+        for logger, level in zip(quiet, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _get_from(args: argparse.Namespace, servers: list[tuple[str, int]] | Discovery) -> int:
@@ -155,6 +160,9 @@ def _get_from(args: argparse.Namespace, servers: list[tuple[str, int]] | Discove
             print(f"snowflake get: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
         except NoServerAvailableError as e:
+            if not e.failures:  # discovery failed: no server was even tried
+                print(f"snowflake get: {e}", file=sys.stderr)
+                return 1
             seen = set()
             for address, failure in e.failures:
                 line = _explain(address, failure, args.transport)

@@ -415,6 +415,7 @@ class SnowflakePool:
         )
 
         self._discover: Discovery | None = None
+        self._discovery_error: Exception | None = None
         self._servers: tuple[_Server, ...] = ()
         if callable(servers):
             self._discover = servers
@@ -456,6 +457,8 @@ class SnowflakePool:
         """One new id: from the prefetch buffer if there is one, else ``get_id``."""
         if self.prefetch == 0 or (agent is not None and agent != self.agent):
             return int(self._call("get_id", agent or self.agent))
+        # Refilled under the lock so that ids leave the buffer in increasing order; the
+        # callers waiting meanwhile would have had to ask a server themselves anyway.
         with self._buffer_lock:
             buffer = self._buffer
             if (
@@ -466,6 +469,8 @@ class SnowflakePool:
                 buffer.clear()
             if not buffer:
                 ids = self._call("get_ids", self.agent, self.prefetch)
+                if not ids:
+                    raise NoServerAvailableError("get_ids returned no ids")
                 self._buffer_filled_at = time.monotonic()
                 buffer.extend(int(i) for i in ids)
             return buffer.popleft()
@@ -504,16 +509,17 @@ class SnowflakePool:
     def _current_servers(self) -> tuple[_Server, ...]:
         if self._discover is None:
             return self._servers
-        if time.monotonic() - self._refreshed_at < self.refresh_interval:
-            return self._servers
         # One thread asks; the others go on with the list they have, if any.
-        if not self._refresh_lock.acquire(blocking=not self._servers):
-            return self._servers
-        try:
-            if time.monotonic() - self._refreshed_at >= self.refresh_interval:
-                self._refresh()
-        finally:
-            self._refresh_lock.release()
+        if time.monotonic() - self._refreshed_at >= self.refresh_interval and (
+            self._refresh_lock.acquire(blocking=not self._servers)
+        ):
+            try:
+                if time.monotonic() - self._refreshed_at >= self.refresh_interval:
+                    self._refresh()
+            finally:
+                self._refresh_lock.release()
+        if not self._servers:  # discovery failed and there is no earlier list to keep
+            raise NoServerAvailableError(f"server discovery failed: {self._discovery_error}")
         return self._servers
 
     def _refresh(self) -> None:
@@ -524,6 +530,7 @@ class SnowflakePool:
                 raise ValueError("discovery found no servers")
         except Exception as e:
             self._refreshed_at = time.monotonic()  # ask again after refresh_interval
+            self._discovery_error = e
             if not self._servers:
                 raise NoServerAvailableError(f"server discovery failed: {e}") from e
             kept = [server.address for server in self._servers]
@@ -533,6 +540,8 @@ class SnowflakePool:
             self._servers = found
             self._refreshed_at = time.monotonic()
             known = {server.address for server in found}
+            # Servers that left are forgotten, so that churn cannot grow this without end.
+            self._down_until = {a: t for a, t in self._down_until.items() if a in known}
             gone = [client for client in self._idle if client.address not in known]
             self._idle = [client for client in self._idle if client.address in known]
         for client in gone:

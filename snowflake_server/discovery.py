@@ -42,29 +42,40 @@ class ZooKeeperDiscovery:
         self._lock = threading.Lock()
 
     def __call__(self) -> list[str]:
-        """``host:port`` of each registered node, in worker order. Raises on no ZooKeeper."""
+        """``host:port`` of each registered node, in worker order. Raises (within
+        ``timeout``) when ZooKeeper cannot be reached."""
         with self._lock:
             if self._client is None:
                 client = KazooClient(hosts=self._hosts, timeout=self._timeout, read_only=True)
-                client.start(timeout=self._timeout)
+                try:
+                    client.start(timeout=self._timeout)
+                except BaseException:
+                    client.stop()  # else it keeps retrying in the background
+                    client.close()
+                    raise
                 self._client = client
             client = self._client
         found = []
         datacenters = (
-            [str(self._datacenter)] if self._datacenter is not None else self._children(self._root)
+            [str(self._datacenter)]
+            if self._datacenter is not None
+            else self._children(client, self._root)
         )
         for dc in datacenters:
-            for worker in self._children(f"{self._root}/{dc}"):
+            for worker in self._children(client, f"{self._root}/{dc}"):
                 try:
-                    data, _ = client.get(f"{self._root}/{dc}/{worker}")
+                    data, _ = client.get_async(f"{self._root}/{dc}/{worker}").get(
+                        timeout=self._timeout
+                    )
                 except NoNodeError:
                     continue  # went away meanwhile
                 found.append(data.decode())
         return found
 
-    def _children(self, path: str) -> list[str]:
+    def _children(self, client: Any, path: str) -> list[str]:
+        # Bounded: kazoo queues requests while ZooKeeper is away instead of failing them.
         try:
-            names = self._client.get_children(path)
+            names = client.get_children_async(path).get(timeout=self._timeout)
         except NoNodeError:
             return []
         return sorted(names, key=lambda name: (len(name), name))

@@ -109,3 +109,13 @@ def test_get_refuses_bad_arguments(args: list[str], capsys: pytest.CaptureFixtur
         main(["get", *args])
     assert info.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--port", "70000"], ["--host", ""]])
+def test_get_with_a_bad_address_is_a_usage_error(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["get", *flags])
+    assert info.value.code == 2
+    assert "error:" in capsys.readouterr().err

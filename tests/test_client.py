@@ -516,3 +516,19 @@ def test_tls(tmp_path: Path) -> None:
                 pytest.raises(NoServerAvailableError),
             ):
                 pool.next_id()
+
+
+def test_a_failed_discovery_is_reported_on_every_call_until_it_recovers() -> None:
+    answers: list[object] = [OSError("registry down"), OSError("registry down")]
+
+    def discover() -> list[str]:
+        answer = answers.pop(0) if answers else []
+        if isinstance(answer, BaseException):
+            raise answer
+        return []
+
+    pool = SnowflakePool(discover, refresh_interval=60)
+    for _ in range(3):  # the second call must not fall through to an empty list
+        with pytest.raises(NoServerAvailableError, match="server discovery failed"):
+            pool.next_id()
+    pool.close()

@@ -6,6 +6,7 @@ duplicate ids across the whole cluster: always zero.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from snowflake_server.cli import main as cli_main
-from snowflake_server.client import SnowflakePool
+from snowflake_server.client import NoServerAvailableError, SnowflakePool
 from snowflake_server.discovery import ZooKeeperDiscovery
 from snowflake_server.generator import decompose
 from snowflake_server.idl_loader import snowflake_thrift
@@ -393,3 +394,28 @@ def test_processes_lease_their_own_ids(
     finally:
         zk.stop()
         zk.close()
+
+
+def test_discovery_gives_up_within_its_timeout_when_zookeeper_goes(
+    own_zk: ZooKeeper, cluster: Callable[..., Start], capsys: pytest.CaptureFixture[str]
+) -> None:
+    node = cluster(own_zk)("--worker-id", "2")
+    discovery = ZooKeeperDiscovery(own_zk.hosts, node_zk_path(node), timeout=1.0)
+    with discovery, SnowflakePool(discovery, refresh_interval=0.1, timeout=1.0) as pool:
+        assert pool.next_id() > 0
+        own_zk.stop()
+        time.sleep(0.2)  # past refresh_interval: the next call asks ZooKeeper again
+        started = time.monotonic()
+        # Served from the last list, or refused by the node now unsure of its id.
+        with contextlib.suppress(NoServerAvailableError):
+            pool.next_id()
+        assert time.monotonic() - started < 8, "no call waits for ZooKeeper to come back"
+    assert cli_main(["get", "--zookeeper", own_zk.hosts, "--timeout", "1"]) == 1
+    assert "snowflake get: server discovery failed" in capsys.readouterr().err
+
+
+def node_zk_path(node: ServerProcess) -> str:
+    """The --zk-path a node of the `cluster` fixture was started with."""
+    args = node.process.args
+    assert isinstance(args, list)
+    return str(args[args.index("--zk-path") + 1])
