@@ -22,24 +22,23 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from thriftpy2.thrift import TClient
 
 from .config import ServerSettings
-from .errors import StartupRefused
+from .errors import ReservationError, StartupRefused
 from .generator import pause
 from .idl_loader import snowflake_thrift
 from .transports import binary_protocol, client_socket
-from .worker import Worker, WorkerSlot
+from .worker import Worker, WorkerSlot, gate_clock
 
 __all__ = ["ZK_MARK_AHEAD_MS", "Cluster", "ZkMarkStore", "advertised_address"]
 
@@ -62,32 +61,46 @@ def advertised_address(settings: ServerSettings, bound_port: int) -> str:
 
 
 class ZkMarkStore:
-    """A worker id's high-water mark in ZooKeeper: a mark store for the reservation."""
+    """A worker id's high-water mark in ZooKeeper: a mark store for the reservation.
+
+    Every write is conditional. It is refused unless our ZooKeeper session is still
+    the one that registered the worker id, and it names the znode version this
+    store last saw (compare and set). So a node that lost its id (its session
+    expired while it was frozen, the id re-leased elsewhere) can never move the
+    new holder's mark, let alone lower it; its write fails and it stops serving.
+    """
 
     name = "zookeeper"
 
-    def __init__(self, cluster: Cluster, path: str, mark_ms: int) -> None:
+    def __init__(
+        self, cluster: Cluster, path: str, mark_ms: int, version: int | None, session: int
+    ) -> None:
         self._cluster = cluster
         self._path = path
         self._written = mark_ms
+        self._version = version  # None: the znode does not exist yet
+        self._session = session
         self._lock = threading.Lock()
         self.writes = 0
         self.write_errors = 0
 
     @classmethod
     def load(cls, cluster: Cluster, path: str) -> ZkMarkStore:
-        """The store of ``path`` with the mark found there (-1 if none)."""
+        """The store of ``path`` with the mark found there (-1 if none), bound to the
+        session that holds the registration now."""
+        client = cluster.client
+        session = client.client_id[0]
         try:
-            data, _ = cluster.client.get(path)
-            mark = int(data.decode())
+            data, stat = client.get(path)
+            mark, version = int(data.decode()), stat.version
         except NoNodeError:
-            mark = -1
+            mark, version = -1, None
         except (ValueError, UnicodeDecodeError) as e:
             raise StartupRefused(
                 f"the high-water mark in ZooKeeper {path} is not a number ({e}); it guards "
                 "against repeating ids of a recycled worker id: repair it by hand"
             ) from None
-        return cls(cluster, path, mark)
+        return cls(cluster, path, mark, version, session)
 
     @property
     def where(self) -> str:
@@ -112,11 +125,27 @@ class ZkMarkStore:
         client = self._cluster.client
         data = str(mark_ms).encode()
         try:
-            try:
-                client.set_async(self._path, data).get(timeout=_OP_TIMEOUT_S)
-            except NoNodeError:
+            owner = client.client_id if client is not None else None
+            if owner is None or owner[0] != self._session:
+                raise ReservationError(
+                    f"not writing {self._path}: the ZooKeeper session that registered this "
+                    "worker id is gone"
+                )
+            if self._version is None:
                 client.ensure_path(self._path.rsplit("/", 1)[0])
                 client.create_async(self._path, data).get(timeout=_OP_TIMEOUT_S)
+                self._version = 0
+            else:
+                stat = client.set_async(self._path, data, version=self._version).get(
+                    timeout=_OP_TIMEOUT_S
+                )
+                self._version = stat.version
+        except (BadVersionError, NodeExistsError):
+            self.write_errors += 1
+            self._cluster.lost_ownership(f"{self._path} was changed by another node")
+            raise ReservationError(
+                f"{self._path} was changed by another node: this node no longer owns the worker id"
+            ) from None
         except Exception:
             self.write_errors += 1
             raise
@@ -183,7 +212,9 @@ class Cluster(Collector):
             log.warning("--skip-sanity-checks: not asking registered peers")
             return
         root = f"{self._settings.zk_path}/nodes"
-        skews: list[tuple[str, int]] = []
+        # One address may hold several registrations (a node run with --processes: any
+        # of its processes may answer), so each address is asked once.
+        registered: dict[str, set[tuple[int, int]]] = {}
         for dc_name in self._children(root):
             for worker_name in self._children(f"{root}/{dc_name}"):
                 try:
@@ -191,7 +222,11 @@ class Cluster(Collector):
                 except NoNodeError:
                     continue  # gone meanwhile
                 peer = data.decode(errors="replace")
-                skews.append((peer, self._check_peer(peer, int(dc_name), int(worker_name))))
+                registered.setdefault(peer, set()).add((int(dc_name), int(worker_name)))
+        # Our own address: sibling processes on this host and clock; asking could even
+        # reach our own listening socket, which does not answer before we register.
+        registered.pop(self.address, None)
+        skews = [(peer, self._check_peer(peer, ids)) for peer, ids in registered.items()]
         if not skews:
             log.info("no registered peers to check")
             return
@@ -212,10 +247,42 @@ class Cluster(Collector):
         except NoNodeError:
             return []
 
-    def _check_peer(self, peer: str, dc: int, worker: int) -> int:
-        """The peer's clock minus ours, in ms, after checking its ids."""
+    def _check_peer(self, peer: str, registered: set[tuple[int, int]]) -> int:
+        """The peer's clock minus ours, in ms, after checking its ids against the
+        (datacenter, worker) pairs registered at its address.
+
+        Several pairs at one address are the processes of one node (``--processes``):
+        the kernel picks which one answers a connection, so connections are opened
+        (up to 8 per pair) until each registered pair has answered. An answer that is
+        not registered there, or a registered pair that never answers, is insanity.
+        """
+        as_text = ", ".join(f"datacenter {dc}, worker {w}" for dc, w in sorted(registered))
+        where = f"peer {peer} (registered as {as_text})"
+        answered: set[tuple[int, int]] = set()
+        skew: int | None = None
+        for _ in range(8 * len(registered)):
+            pair, offset = self._ask_peer(peer, where)
+            if pair[1] not in {w for _, w in registered}:
+                raise StartupRefused(f"Worker id insanity: {where} says it is worker {pair[1]}")
+            if pair not in registered:
+                raise StartupRefused(
+                    f"Datacenter id insanity: {where} says it is in datacenter {pair[0]}"
+                )
+            answered.add(pair)
+            skew = offset if skew is None else skew
+            if answered == registered:
+                return skew
+        missing = "; ".join(
+            f"datacenter {dc}, worker {w}" for dc, w in sorted(registered - answered)
+        )
+        raise StartupRefused(
+            f"Worker id insanity: {where} never answered as {missing} in "
+            f"{8 * len(registered)} connections"
+        )
+
+    def _ask_peer(self, peer: str, where: str) -> tuple[tuple[int, int], int]:
+        """One connection: the (datacenter, worker) that answers, and its clock minus ours."""
         host, _, port = peer.rpartition(":")
-        where = f"peer {peer} (registered as datacenter {dc}, worker {worker})"
         try:
             protocol = binary_protocol(
                 client_socket(host, int(port), _PEER_TIMEOUT_S), self._transport()
@@ -235,13 +302,7 @@ class Cluster(Collector):
                 f"{where} is unreachable: {e}; if it is gone for good its node expires with "
                 "its session, or start with --skip-sanity-checks"
             ) from None
-        if peer_worker != worker:
-            raise StartupRefused(f"Worker id insanity: {where} says it is worker {peer_worker}")
-        if peer_dc != dc:
-            raise StartupRefused(
-                f"Datacenter id insanity: {where} says it is in datacenter {peer_dc}"
-            )
-        return int(peer_time - (before + after) // 2)
+        return (int(peer_dc), int(peer_worker)), int(peer_time - (before + after) // 2)
 
     def _transport(self) -> Any:
         return "buffered" if self._settings.transport == "buffered" else "framed"
@@ -323,6 +384,13 @@ class Cluster(Collector):
 
     # -- keeping it safe ------------------------------------------------------
 
+    def lost_ownership(self, why: str) -> None:
+        """Stop serving at once and register again: another node holds our worker id."""
+        log.error("this node no longer owns its worker id: %s", why)
+        self._slot.open_until = float("-inf")
+        self._slot.closed_reason = f"worker id lost: {why}; registering again"
+        self._needs_register = True
+
     def _on_state(self, state: str) -> None:
         # Runs on kazoo's thread: record and return, never block.
         self._events[state.lower()] += 1
@@ -332,7 +400,7 @@ class Cluster(Collector):
             self._needs_register = True
             self._suspended_since = None
         elif state == KazooState.SUSPENDED:
-            self._suspended_since = time.monotonic()
+            self._suspended_since = gate_clock()
             self._slot.closed_reason = "ZooKeeper unreachable for longer than the session allows"
         else:
             self._suspended_since = None
@@ -352,7 +420,7 @@ class Cluster(Collector):
     def _tick(self) -> None:
         suspended = self._suspended_since
         if self._client is None or (
-            suspended is not None and time.monotonic() - suspended > self._timeout
+            suspended is not None and gate_clock() - suspended > self._timeout
         ):
             # Past the session timeout and still SUSPENDED: a ZooKeeper that came back
             # empty never says LOST. Drop this client and start a new session.
@@ -368,7 +436,7 @@ class Cluster(Collector):
     def _heartbeat(self) -> None:
         node = self._node
         assert node is not None
-        sent = time.monotonic()
+        sent = gate_clock()
         stat = self._client.exists_async(node).get(timeout=_OP_TIMEOUT_S)
         if stat is None or stat.ephemeralOwner != self._client.client_id[0]:
             log.error("our registration %s is gone or not ours any more", node)
@@ -459,7 +527,7 @@ class Cluster(Collector):
         yield GaugeMetricFamily(
             "snowflake_zookeeper_last_contact_age_seconds",
             "Seconds since ZooKeeper last confirmed that our registration is ours.",
-            value=time.monotonic() - self._last_contact,
+            value=gate_clock() - self._last_contact,
         )
         yield CounterMetricFamily(
             "snowflake_zookeeper_registrations",

@@ -25,9 +25,15 @@ from .generator import GeneratorSettings, IdGenerator, pause
 from .reservation import RESERVE_AHEAD_MS, MarkStore, Reservation, wait_for_clock
 from .state import StateFile
 
-__all__ = ["CurrentReservation", "Worker", "WorkerSlot"]
+__all__ = ["CurrentReservation", "Worker", "WorkerSlot", "gate_clock"]
 
 log = logging.getLogger(__name__)
+
+
+def gate_clock() -> float:
+    """Seconds on CLOCK_BOOTTIME: like monotonic, but it also runs while the host is
+    suspended, which a ZooKeeper session's expiry does too."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 class Worker:
@@ -106,7 +112,7 @@ class Worker:
 class WorkerSlot:
     """The ids of whichever worker this node holds now, while it may serve.
 
-    Ids are handed out only until ``open_until`` (a ``time.monotonic()``
+    Ids are handed out only until ``open_until`` (a :func:`gate_clock`
     deadline that the ZooKeeper heartbeat keeps pushing ahead); past it, or
     with no worker installed, calls raise ``UnavailableError`` so clients go
     to another node. Counters add up every worker this process has held.
@@ -141,7 +147,7 @@ class WorkerSlot:
 
     def _current(self) -> IdGenerator:
         worker = self._worker
-        if worker is None or time.monotonic() > self.open_until:
+        if worker is None or gate_clock() > self.open_until:
             raise UnavailableError(f"this node is not handing out ids: {self.closed_reason}")
         return worker.generator
 
@@ -153,7 +159,7 @@ class WorkerSlot:
 
     @property
     def serving(self) -> bool:
-        return self._worker is not None and time.monotonic() <= self.open_until
+        return self._worker is not None and gate_clock() <= self.open_until
 
     @property
     def settings(self) -> GeneratorSettings:

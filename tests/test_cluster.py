@@ -149,29 +149,39 @@ def _fake_registration(zk: ZooKeeper, path: str, data: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("registered_as", "message"),
+    ("in_cluster", "registered_as", "message"),
     [
-        ("0/7", "Worker id insanity: peer 127.0.0.1:{port} (registered as datacenter 0, worker 7) "
-                "says it is worker 5"),
-        ("1/5", "Datacenter id insanity: peer 127.0.0.1:{port} (registered as datacenter 1, "
-                "worker 5) says it is in datacenter 0"),
+        # A standalone node behind a registration that does not match it.
+        (False, "0/7", "Worker id insanity: peer 127.0.0.1:{port} (registered as datacenter 0, "
+                       "worker 7) says it is worker 5"),
+        (False, "1/5", "Datacenter id insanity: peer 127.0.0.1:{port} (registered as "
+                       "datacenter 1, worker 5) says it is in datacenter 0"),
+        # A registered node (worker 5) with a second registration of its address that
+        # claims an id it never answers as: not a node run with --processes.
+        (True, "0/7", "Worker id insanity: peer 127.0.0.1:{port} (registered as datacenter 0, "
+                      "worker 5, datacenter 0, worker 7) never answered as datacenter 0, "
+                      "worker 7"),
     ],
 )  # fmt: skip
 def test_peer_id_insanity_refuses_start(
     shared_zk: ZooKeeper,
     cluster: Callable[..., Start],
     zk_path: str,
+    in_cluster: bool,
     registered_as: str,
     message: str,
 ) -> None:
     start = cluster(shared_zk)
-    peer = start("--worker-id", "5")
-    # A registration that does not match what the node behind it says.
-    _fake_registration(shared_zk, f"{zk_path}/nodes/{registered_as}", f"127.0.0.1:{peer.port}")
-    with pytest.raises(ServerDidNotStart) as info:
-        start("--worker-id", "6")
-    assert info.value.returncode == 3
-    assert message.format(port=peer.port) in info.value.log
+    peer = start("--worker-id", "5") if in_cluster else start_server("--worker-id", "5")
+    try:
+        _fake_registration(shared_zk, f"{zk_path}/nodes/{registered_as}", f"127.0.0.1:{peer.port}")
+        with pytest.raises(ServerDidNotStart) as info:
+            start("--worker-id", "6")
+        assert info.value.returncode == 3
+        assert message.format(port=peer.port) in info.value.log
+    finally:
+        if not in_cluster:
+            assert peer.stop() == 0
 
 
 def test_an_unreachable_peer_blocks_start_unless_skipped(
@@ -419,3 +429,42 @@ def node_zk_path(node: ServerProcess) -> str:
     args = node.process.args
     assert isinstance(args, list)
     return str(args[args.index("--zk-path") + 1])
+
+
+def test_a_node_that_lost_its_id_cannot_touch_the_new_holders_mark(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start], zk_path: str, tmp_path: Path
+) -> None:
+    start = cluster(shared_zk)
+    flags = ("--worker-id", "5", "--skip-sanity-checks")
+    old = start(*flags)
+    assert old.raw_client().get_id("old") > 0
+    zk = shared_zk.client()
+    zk.start()
+    try:
+        # Frozen past its session: ZooKeeper expires it and another node takes id 5.
+        os.kill(old.process.pid, signal.SIGSTOP)
+        wait_until(lambda: zk.exists(f"{zk_path}/nodes/0/5") is None, 20, "the expiry")
+        new = start(*flags)
+        with Load([new]) as load:
+            wait_until(lambda: load.count() > 2000, 20, "load on the new holder")
+            os.kill(old.process.pid, signal.SIGCONT)  # it wakes up with a stale worker
+            deadline = time.monotonic() + float(SESSION) * 3
+            while time.monotonic() < deadline:
+                mark = int(zk.get(f"{zk_path}/marks/0/5")[0])
+                issued = load.ids[-1] if load.ids else 0
+                assert mark >= decompose(issued).timestamp_ms, "the mark never drops below ids"
+                time.sleep(0.005)
+        new_ids = list(load.ids)
+        new.stop(signal.SIGKILL)
+        old.stop(signal.SIGKILL)
+        wait_until(lambda: zk.exists(f"{zk_path}/nodes/0/5") is None, 20, "the expiry")
+    finally:
+        zk.stop()
+        zk.close()
+    behind = FakeTime(tmp_path)
+    behind.set("-4")  # a replacement host whose clock is behind
+    third = start(*flags, env=behind.env, timeout_s=40)
+    with Load([third]) as load:
+        wait_until(lambda: load.count() > 2000, 20, "load on the third holder")
+    assert not set(load.ids) & set(new_ids), "no id of the previous holder is repeated"
+    assert min(load.ids) > max(new_ids)
