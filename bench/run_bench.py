@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.servers import Server, ServerFailed, server_flags, start_floor, start_ours
+from bench.servers import Server, ServerFailed, start_floor, start_ours
 from snowflake_server.bench import (
     DEFAULT_WORKER_LIMIT,
     BenchError,
@@ -315,8 +315,6 @@ def over_thrift(load: LoadGenerator, servers: dict[str, Server], plan: Plan) -> 
 
 def scaling(load: LoadGenerator, plan: Plan, work: Path) -> tuple[str, list[Comparison]]:
     """``--processes 1`` against ``--processes 2``; (note, comparisons)."""
-    if "--processes" not in server_flags():
-        return "scaling: --processes not available yet", []
     servers: dict[str, Server] = {}
     try:
         for n in (1, 2):

@@ -15,9 +15,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from snowflake_server.supervisor import READY_PREFIX
+
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR_SCRIPT = ROOT / "bench" / "floor_server.py"
-OURS_READY = "snowflake-server ready"
 FLOOR_READY = "floor-server ready"
 
 
@@ -100,24 +101,10 @@ def start_ours(name: str, log_dir: Path, state_dir: Path, *args: str) -> Server:
         "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--state-dir", str(state_dir),
         "--log-level", "warning", *args,
     ]  # fmt: skip
-    return launch(name, command, OURS_READY, log_dir)
+    return launch(name, command, READY_PREFIX, log_dir)
 
 
 def start_floor(name: str, log_dir: Path, transport: str = "framed") -> Server:
     """The bare thriftpy2 server of ``floor_server.py`` on a free port."""
     command = [sys.executable, str(FLOOR_SCRIPT), "--port", "0", "--transport", transport]
     return launch(name, command, FLOOR_READY, log_dir)
-
-
-def server_flags() -> str:
-    """``snowflake-server --help``, to see which flags this version has."""
-    result = subprocess.run(
-        [sys.executable, "-m", "snowflake_server.app", "--help"],
-        capture_output=True,
-        text=True,
-        env=_clean_env(),
-        cwd=ROOT,
-        timeout=60,
-        check=False,
-    )
-    return result.stdout

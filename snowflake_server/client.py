@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple, TypeAlias, TypeGuard, cast
+from typing import Any, NamedTuple, Self, TypeAlias, TypeGuard, cast
 
 from thriftpy2.thrift import TApplicationException, TClient, TType
 from thriftpy2.transport import TTransportException
@@ -202,7 +202,25 @@ def _request_error(error: Exception) -> RequestError:
     return RequestError(f"{name}: {message}")
 
 
-class SnowflakeClient:
+class Closing:
+    """``with`` support for things with a ``close()``: entering gives the thing itself."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class SnowflakeClient(Closing):
     """One connection to one server, opened on first use (or by :meth:`open`).
 
     Not thread-safe: share a :class:`SnowflakePool` between threads instead.
@@ -318,23 +336,12 @@ class SnowflakeClient:
         if client is not None:
             client.close()
 
-    def __enter__(self) -> SnowflakeClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         state = "open" if self.is_open else "closed"
         return f"<SnowflakeClient {self.address} {self.transport} {state}>"
 
 
-class SnowflakePool:
+class SnowflakePool(Closing):
     """A thread-safe client for one or more snowflake servers.
 
     ``servers`` is one address, a sequence of them, or a :data:`Discovery`
@@ -488,17 +495,6 @@ class SnowflakePool:
             client.close()
         with self._buffer_lock:
             self._buffer.clear()
-
-    def __enter__(self) -> SnowflakePool:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         servers = ",".join(s.address for s in self._servers) or "(discovered)"

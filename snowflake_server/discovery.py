@@ -14,16 +14,17 @@ ZooKeeper cannot be reached.
 from __future__ import annotations
 
 import threading
-from types import TracebackType
 from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
+from .client import Closing
+
 __all__ = ["ZooKeeperDiscovery"]
 
 
-class ZooKeeperDiscovery:
+class ZooKeeperDiscovery(Closing):
     """The nodes registered in ZooKeeper (all datacenters, or only ``datacenter``)."""
 
     def __init__(
@@ -86,14 +87,3 @@ class ZooKeeperDiscovery:
         if client is not None:
             client.stop()
             client.close()
-
-    def __enter__(self) -> ZooKeeperDiscovery:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

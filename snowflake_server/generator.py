@@ -243,11 +243,6 @@ class GeneratorSettings:
         (100, as Leaf; less for a narrow sequence field, so half of it stays usable)."""
         return min(100, (self.layout.max_sequence + 1) // 2) or 1
 
-    @property
-    def max_batch(self) -> int:
-        """The most ids ``next_ids`` hands out in one call: one ms worth."""
-        return self.layout.max_sequence + 1
-
 
 class IdSource(Protocol):
     """What the Thrift handler and the metrics need: an ``IdGenerator``, or a slot
@@ -360,11 +355,6 @@ class IdGenerator:
         self.clock_backwards_refused = 0
         self.sequence_exhausted_waits = 0
         self.reservation_stalls = 0
-
-    @property
-    def last_timestamp_ms(self) -> int:
-        """The newest timestamp used (the resume point before the first id)."""
-        return self._last_ts
 
     @property
     def ceiling_ms(self) -> int:

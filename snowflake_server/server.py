@@ -57,7 +57,6 @@ class _GuardedSocket(TSocket):
 
     def __init__(self, conn: socket.socket, limit: int, framed: bool) -> None:
         super().__init__(sock=conn)  # type: ignore[no-untyped-call]  # thriftpy2 is untyped
-        self._sock = conn
         self._limit = limit
         self._framed = framed
         self._count = 0
@@ -69,7 +68,7 @@ class _GuardedSocket(TSocket):
 
     def read(self, sz: int) -> bytes:
         # TSocket.read, without its BSD special case; Python retries EINTR itself.
-        data = self._sock.recv(sz)
+        data: bytes = self.sock.recv(sz)
         if not data:
             raise TTransportException(
                 type=TTransportException.END_OF_FILE, message="TSocket read 0 bytes"

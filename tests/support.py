@@ -226,33 +226,6 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-class WallClockOffset:
-    """Moves the wall clock of server processes started with ``env=offset.env``.
-
-    libfaketime (Debian package ``faketime``) fakes only CLOCK_REALTIME and reads
-    the offset from a file on every call, so a test can step a running server's
-    clock back and forward: ``offset.set("-60")``, then ``offset.set("+0")``.
-    """
-
-    def __init__(self, directory: Path) -> None:
-        libraries = sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))
-        assert libraries, "libfaketime is missing: `make test` installs it (Debian: faketime)"
-        self.file = directory / "wall-clock-offset"
-        self.set("+0")
-        self.env = {
-            "LD_PRELOAD": str(libraries[0]),
-            "FAKETIME_TIMESTAMP_FILE": str(self.file),
-            "FAKETIME_NO_CACHE": "1",
-            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-        }
-
-    def set(self, offset_s: str) -> None:
-        """The offset from the real time in seconds, signed: "+0", "-60"."""
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(offset_s + "\n")
-        tmp.replace(self.file)
-
-
 class Load:
     """Clients hammering servers with get_ids in the background, bounded in time.
 

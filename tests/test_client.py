@@ -33,7 +33,7 @@ from snowflake_server import (
 from snowflake_server.client import parse_server
 from snowflake_server.idl_loader import snowflake_thrift
 from snowflake_server.transports import Transport, binary_protocol, client_socket, server_socket
-from tests.support import ServerProcess, WallClockOffset, parse_metrics, start_server
+from tests.support import FakeTime, ServerProcess, parse_metrics, start_server
 
 thrift = snowflake_thrift()
 
@@ -268,7 +268,7 @@ def test_callers_errors_are_raised_at_once_not_retried() -> None:
 def test_a_server_whose_clock_went_back_fails_over_to_one_with_a_good_clock(
     tmp_path: Path,
 ) -> None:
-    clock = WallClockOffset(tmp_path)
+    clock = FakeTime(tmp_path)
     with servers(1, env=clock.env) as (behind,), servers(2) as (good,):
         single = SnowflakeClient(behind.host, behind.port)
         assert decompose(single.next_id()).worker_id == 1

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from snowflake_server.generator import TWITTER_EPOCH_MS, decompose, wall_clock_ms
-from tests.support import DATA, ServerProcess, WallClockOffset, parse_metrics, start_server
+from tests.support import DATA, FakeTime, ServerProcess, parse_metrics, start_server
 
 REPO = Path(__file__).resolve().parent.parent
 CLIENTS = REPO / "clients"
@@ -209,7 +209,7 @@ class Conversation:
         pytest.fail(f"interop program {why}:\n{lines}\nstderr:\n{self.stderr()}")
 
 
-def converse(program: Program, server: ServerProcess, clock: WallClockOffset) -> list[Any]:
+def converse(program: Program, server: ServerProcess, clock: FakeTime) -> list[Any]:
     """Run the interop program against ``server``; step the clock back and forward on cue."""
     talk = Conversation(program, [server.host, str(server.port), server.transport])
     try:
@@ -238,7 +238,7 @@ def test_apache_generated_client(
     language: str, transport: Any, programs: dict[str, Program], tmp_path: Path
 ) -> None:
     program = programs[language]
-    clock = WallClockOffset(tmp_path)
+    clock = FakeTime(tmp_path)
     server = start_server(
         "--worker-id", str(WORKER), "--datacenter-id", str(DATACENTER),
         transport=transport, env=clock.env,
