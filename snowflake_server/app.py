@@ -22,6 +22,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from kazoo.exceptions import KazooException
+from kazoo.handlers.threading import KazooTimeoutError
 from prometheus_client.registry import Collector
 
 from . import __version__
@@ -102,8 +104,13 @@ def serve(settings: ServerSettings) -> int:
             cluster = Cluster(settings, slot, clock, advertised_address(settings, thrift_port))
             cluster.connect()
             cleanup.callback(cluster.close)
-            cluster.check_peers()
-            cluster.register()
+            try:
+                cluster.check_peers()
+                cluster.register()
+            except (KazooException, KazooTimeoutError) as e:
+                raise StartupRefused(
+                    f"ZooKeeper failed during start-up: {type(e).__name__}: {e}; start again"
+                ) from None
             collectors.append(cluster)
             health = cluster.health
 

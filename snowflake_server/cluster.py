@@ -29,6 +29,7 @@ from typing import Any
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.retry import KazooRetry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from thriftpy2.thrift import TClient
@@ -91,7 +92,7 @@ class ZkMarkStore:
         client = cluster.client
         session = client.client_id[0]
         try:
-            data, stat = client.get(path)
+            data, stat = client.retry(client.get, path)
             mark, version = int(data.decode()), stat.version
         except NoNodeError:
             mark, version = -1, None
@@ -195,7 +196,14 @@ class Cluster(Collector):
             )
 
     def _start_client(self) -> Any:
-        client = KazooClient(hosts=self._settings.zookeeper, timeout=self._timeout)
+        client = KazooClient(
+            hosts=self._settings.zookeeper,
+            timeout=self._timeout,
+            # Reconnect for as long as it takes (the session gate keeps ids safe
+            # meanwhile); a command that meets a dropped connection waits for it.
+            connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0),
+            command_retry=KazooRetry(max_tries=5, delay=0.1, max_delay=1.0),
+        )
         client.add_listener(self._on_state)
         try:
             client.start(timeout=self._settings.zk_connect_timeout)
@@ -218,7 +226,9 @@ class Cluster(Collector):
         for dc_name in self._children(root):
             for worker_name in self._children(f"{root}/{dc_name}"):
                 try:
-                    data, _ = self._client.get(f"{root}/{dc_name}/{worker_name}")
+                    data, _ = self._client.retry(
+                        self._client.get, f"{root}/{dc_name}/{worker_name}"
+                    )
                 except NoNodeError:
                     continue  # gone meanwhile
                 peer = data.decode(errors="replace")
@@ -243,7 +253,8 @@ class Cluster(Collector):
 
     def _children(self, path: str) -> list[str]:
         try:
-            return sorted(self._client.get_children(path), key=lambda n: (len(n), n))
+            names = self._client.retry(self._client.get_children, path)
+            return sorted(names, key=lambda n: (len(n), n))
         except NoNodeError:
             return []
 
@@ -335,18 +346,16 @@ class Cluster(Collector):
         self._heartbeat()
 
     def _lease(self, preferred: int | None, patient: bool) -> int:
-        self._client.ensure_path(self._nodes)
+        self._client.retry(self._client.ensure_path, self._nodes)
         data = self.address.encode()
         if not self._settings.auto_worker_id:
             worker_id = self._settings.worker_id
             path = f"{self._nodes}/{worker_id}"
             for attempt in range(_GHOST_RETRIES + 1 if patient else 1):
-                try:
-                    self._client.create(path, data, ephemeral=True)
+                if self._take(path, data):
                     return worker_id
-                except NodeExistsError:
-                    if attempt < _GHOST_RETRIES and patient:
-                        pause(1.0)
+                if attempt < _GHOST_RETRIES and patient:
+                    pause(1.0)
             raise StartupRefused(
                 f"worker id {worker_id} of datacenter {self._dc} is registered by "
                 f"{self._holder(path)} ({path}); two nodes with one worker id would hand out "
@@ -359,15 +368,26 @@ class Cluster(Collector):
             order.remove(preferred)
             order.insert(0, preferred)
         for worker_id in order:
-            try:
-                self._client.create(f"{self._nodes}/{worker_id}", data, ephemeral=True)
+            if self._take(f"{self._nodes}/{worker_id}", data):
                 return worker_id
-            except NodeExistsError:
-                continue
         raise StartupRefused(
             f"all {max_id + 1} worker ids of datacenter {self._dc} are leased "
             f"({self._nodes}); widen --worker-id-bits or use another datacenter id"
         )
+
+    def _take(self, path: str, data: bytes) -> bool:
+        """Create our ephemeral registration at ``path``; False if another session holds it.
+
+        Retried through a dropped connection; a create whose reply was lost finds our
+        own node on the retry, which counts as taken.
+        """
+        client = self._client
+        try:
+            client.retry(client.create, path, data, ephemeral=True)
+            return True
+        except NodeExistsError:
+            stat = client.retry(client.exists, path)
+            return stat is not None and stat.ephemeralOwner == client.client_id[0]
 
     def _holder(self, path: str) -> str:
         try:
@@ -398,9 +418,12 @@ class Cluster(Collector):
             self._slot.open_until = float("-inf")
             self._slot.closed_reason = "the ZooKeeper session was lost; registering again"
             self._needs_register = True
-            self._suspended_since = None
+            # Usually reconnected at once; if not, _tick replaces the client in time.
+            if self._suspended_since is None:
+                self._suspended_since = gate_clock()
         elif state == KazooState.SUSPENDED:
-            self._suspended_since = gate_clock()
+            if self._suspended_since is None:
+                self._suspended_since = gate_clock()
             self._slot.closed_reason = "ZooKeeper unreachable for longer than the session allows"
         else:
             self._suspended_since = None
