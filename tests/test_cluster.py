@@ -33,7 +33,8 @@ from tests.support import (
 from tests.zookeeper import ZooKeeper, free_port
 
 thrift = snowflake_thrift()
-SESSION = "2"  # seconds: short, so that expiry is quick to provoke
+SESSION = "3"  # seconds: short, so that expiry is quick to provoke; not so short that
+# a missed heartbeat on a busy CI machine drops a healthy session
 
 
 @pytest.fixture(scope="module")
@@ -321,10 +322,11 @@ def test_a_recycled_worker_id_resumes_above_the_old_mark(
     finally:
         zk.stop()
         zk.close()
-    # Another host (its own state dir), whose clock is 3 s behind: without the mark
-    # kept in ZooKeeper it would stamp ids with times the dead node already used.
+    # Another host (its own state dir), whose clock is 4 s behind, more than the
+    # session takes to expire: without the mark kept in ZooKeeper it would stamp ids
+    # with times the dead node already used.
     behind = FakeTime(tmp_path)
-    behind.set("-3")
+    behind.set("-4")
     second = start("--worker-id", "auto", env=behind.env, timeout_s=40)
     assert second.raw_client().get_worker_id() == 0, "the lowest free id: the dead node's"
     with Load([second]) as load:
