@@ -27,14 +27,14 @@ CLIENTS   ?= clients
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { \
 	  echo "python3 -m venv failed: installing python3-venv"; \
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq python3-venv && \
 	  $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e './clients/python[zookeeper]' -e '.[test]'
 	touch $@
 
 system-deps:
@@ -50,11 +50,11 @@ system-deps:
 stubs:
 	@command -v $(THRIFT) >/dev/null 2>&1 || { echo "make stubs needs the Apache Thrift \
 	compiler: apt-get install thrift-compiler (make system-deps installs it)" >&2; exit 1; }
-	rm -rf $(CLIENTS)/python/gen-py $(CLIENTS)/java/gen-java $(CLIENTS)/go/gen-go \
+	rm -rf $(CLIENTS)/python/apache/gen-py $(CLIENTS)/java/gen-java $(CLIENTS)/go/gen-go \
 	  $(CLIENTS)/node/gen-nodejs $(CLIENTS)/go/thrift-debian
-	mkdir -p $(CLIENTS)/python/gen-py $(CLIENTS)/java/gen-java $(CLIENTS)/go/gen-go \
+	mkdir -p $(CLIENTS)/python/apache/gen-py $(CLIENTS)/java/gen-java $(CLIENTS)/go/gen-go \
 	  $(CLIENTS)/node/gen-nodejs $(CLIENTS)/go/thrift-debian
-	$(THRIFT) --gen py -out $(CLIENTS)/python/gen-py $(IDL)
+	$(THRIFT) --gen py -out $(CLIENTS)/python/apache/gen-py $(IDL)
 	$(THRIFT) --gen java -out $(CLIENTS)/java/gen-java $(IDL)
 	$(THRIFT) --gen go:skip_remote -out $(CLIENTS)/go/gen-go $(IDL)
 	$(THRIFT) --gen js:node -out $(CLIENTS)/node/gen-nodejs $(IDL)
@@ -88,7 +88,7 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
 
 $(VENV)/.installed-bench: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	$(BIN)/python -m pip install -q -e './clients/python[zookeeper]' -e '.[test,bench]'
 	touch $@
 
 # A bounded minute of mixed load with faults (garbage, floods, restarts) on 127.0.0.1;

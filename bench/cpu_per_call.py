@@ -19,11 +19,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from snowflake_thrift_client._idl import snowflake_thrift
+from snowflake_thrift_client._transports import binary_protocol, client_socket
 from thriftpy2.thrift import TClient
 
 from bench.servers import Server, start_floor, start_ours
-from snowflake_server.idl_loader import snowflake_thrift
-from snowflake_server.transports import binary_protocol, client_socket
 
 
 def cpu_seconds(pid: int) -> float:

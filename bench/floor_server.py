@@ -28,8 +28,8 @@ from thriftpy2.transport import TServerSocket, TSocket
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from snowflake_server.idl_loader import snowflake_thrift
-from snowflake_server.transports import TRANSPORTS
+from snowflake_thrift_client._idl import snowflake_thrift
+from snowflake_thrift_client._transports import TRANSPORTS
 
 READY_PREFIX = "floor-server ready"
 _ID = 1_234_567_890_123_456_789

@@ -43,8 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.servers import Server, ServerFailed, start_floor, start_ours
-from snowflake_server.bench import (
+from bench.loadgen import (
     DEFAULT_WORKER_LIMIT,
     BenchError,
     Histogram,
@@ -53,7 +52,8 @@ from snowflake_server.bench import (
     Method,
     Target,
 )
-from snowflake_server.generator import TWITTER_EPOCH_MS, GeneratorSettings, IdGenerator
+from bench.servers import Server, ServerFailed, start_floor, start_ours
+from snowflake_server import TWITTER_EPOCH_MS, GeneratorSettings, IdGenerator
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OURS, FLOOR = "ours", "floor"

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from snowflake_server.supervisor import READY_PREFIX
+from snowflake_server._app.ready import READY_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR_SCRIPT = ROOT / "bench" / "floor_server.py"
@@ -97,7 +97,7 @@ def start_ours(name: str, log_dir: Path, state_dir: Path, *args: str) -> Server:
     """``snowflake-server`` on free ports, with a fresh state folder."""
     state_dir.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "snowflake_server.app", "--host", "127.0.0.1", "--port", "0",
+        sys.executable, "-m", "snowflake_server", "--host", "127.0.0.1", "--port", "0",
         "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--state-dir", str(state_dir),
         "--log-level", "warning", *args,
     ]  # fmt: skip

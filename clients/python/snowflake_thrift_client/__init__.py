@@ -1,0 +1,73 @@
+"""Python client of the snowflake id service: unique, time-ordered 64-bit ids over Thrift.
+
+:class:`SnowflakePool` is the client to use in an application: it is
+thread-safe, keeps a few connections open, fails over across servers and can
+prefetch ids::
+
+    from snowflake_thrift_client import SnowflakePool
+
+    with SnowflakePool(["10.0.0.1:7609", "10.0.0.2:7609"], agent="my-service") as ids:
+        one = ids.next_id()
+        batch = ids.next_ids(100)
+
+:class:`SnowflakeClient` is one connection to one server (not thread-safe);
+:func:`decompose` takes an id apart under a :class:`Layout`;
+:class:`ZooKeeperDiscovery` finds the servers of a cluster (with the
+``zookeeper`` extra). Every error is a :class:`SnowflakeError`.
+
+Names not in ``__all__`` and modules whose names start with an underscore are
+private and may change without notice.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from ._address import DEFAULT_PORT, ServerAddress, parse_server
+from ._client import DEFAULT_AGENT, SnowflakeClient
+from ._discovery import ZooKeeperDiscovery
+from ._errors import (
+    CallFailedError,
+    ClockMovedBackwardsError,
+    ConfigurationError,
+    InvalidCountError,
+    InvalidUserAgentError,
+    NoServerAvailableError,
+    RequestError,
+    SnowflakeError,
+    UnavailableError,
+)
+from ._layout import DEFAULT_LAYOUT, TWITTER_EPOCH_MS, DecodedId, Layout, compose, decompose
+from ._pool import Discovery, SnowflakePool
+from ._tls import client_context
+
+__version__ = resources.files(__name__).joinpath("VERSION").read_text(encoding="utf-8").strip()
+"""The version of the client and of the server, read from the one ``VERSION`` file."""
+
+__all__ = [
+    "DEFAULT_AGENT",
+    "DEFAULT_LAYOUT",
+    "DEFAULT_PORT",
+    "TWITTER_EPOCH_MS",
+    "CallFailedError",
+    "ClockMovedBackwardsError",
+    "ConfigurationError",
+    "DecodedId",
+    "Discovery",
+    "InvalidCountError",
+    "InvalidUserAgentError",
+    "Layout",
+    "NoServerAvailableError",
+    "RequestError",
+    "ServerAddress",
+    "SnowflakeClient",
+    "SnowflakeError",
+    "SnowflakePool",
+    "UnavailableError",
+    "ZooKeeperDiscovery",
+    "__version__",
+    "client_context",
+    "compose",
+    "decompose",
+    "parse_server",
+]

@@ -1,0 +1,101 @@
+"""Finding servers through ZooKeeper: the registrations of cluster mode.
+
+A :class:`ZooKeeperDiscovery` is a :data:`Discovery` for :class:`SnowflakePool`:
+called, it returns the ``host:port`` of every node registered under ``<zk-path>/nodes``. The pool
+asks again every ``refresh_interval`` seconds and keeps the last list if
+ZooKeeper cannot be reached.
+
+    with ZooKeeperDiscovery("zk1:2181,zk2:2181") as servers:
+        with SnowflakePool(servers, agent="my-service") as ids:
+            ids.next_id()
+
+It needs kazoo, which this package does not install by default:
+``pip install 'snowflake-thrift-client[zookeeper]'``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ._client import Closing
+from ._errors import ConfigurationError
+
+__all__ = ["ZooKeeperDiscovery"]
+
+
+class ZooKeeperDiscovery(Closing):
+    """The nodes registered in ZooKeeper (all datacenters, or only ``datacenter``)."""
+
+    def __init__(
+        self,
+        hosts: str,
+        zk_path: str = "/snowflake-servers",
+        *,
+        datacenter: int | None = None,
+        timeout: float = 5.0,
+    ) -> None:
+        try:
+            import kazoo  # noqa: F401 - an optional dependency: say so at once, not at first use
+        except ImportError:
+            raise ConfigurationError(
+                "ZooKeeperDiscovery needs kazoo: pip install 'snowflake-thrift-client[zookeeper]'"
+            ) from None
+        self._hosts = hosts
+        self._root = f"{zk_path}/nodes"
+        self._datacenter = datacenter
+        self._timeout = timeout
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> list[str]:
+        """``host:port`` of each registered node, in worker order. Raises (within
+        ``timeout``) when ZooKeeper cannot be reached."""
+        with self._lock:
+            if self._client is None:
+                from kazoo.client import KazooClient
+
+                client = KazooClient(hosts=self._hosts, timeout=self._timeout, read_only=True)
+                try:
+                    client.start(timeout=self._timeout)
+                except BaseException:
+                    client.stop()  # else it keeps retrying in the background
+                    client.close()
+                    raise
+                self._client = client
+            client = self._client
+        from kazoo.exceptions import NoNodeError
+
+        found = []
+        datacenters = (
+            [str(self._datacenter)]
+            if self._datacenter is not None
+            else self._children(client, self._root)
+        )
+        for dc in datacenters:
+            for worker in self._children(client, f"{self._root}/{dc}"):
+                try:
+                    data, _ = client.get_async(f"{self._root}/{dc}/{worker}").get(
+                        timeout=self._timeout
+                    )
+                except NoNodeError:
+                    continue  # went away meanwhile
+                found.append(data.decode())
+        return found
+
+    def _children(self, client: Any, path: str) -> list[str]:
+        from kazoo.exceptions import NoNodeError
+
+        # Bounded: kazoo queues requests while ZooKeeper is away instead of failing them.
+        try:
+            names = client.get_children_async(path).get(timeout=self._timeout)
+        except NoNodeError:
+            return []
+        return sorted(names, key=lambda name: (len(name), name))
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.stop()
+            client.close()

@@ -1,0 +1,1 @@
+"""Putting it together: the composition root, the process entry point, the supervisor."""

@@ -1,0 +1,247 @@
+"""The composition root: one server process's parts, built from its settings.
+
+:class:`Node` reads as its life: :meth:`~Node.start` (open the id source for
+the mode, bind the Thrift port, register in the cluster, open the admin
+endpoint), :meth:`~Node.run` (serve until asked to stop), :meth:`~Node.close`
+(everything in reverse: stop serving, final marks, deregister). One builder
+per mode, :func:`standalone` and :func:`clustered`, returns the id source,
+its metrics collectors and its health. :func:`serve` adds the signals and the
+ready line; tests run a ``Node`` in a thread instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import KazooException
+from kazoo.handlers.threading import KazooTimeoutError
+from prometheus_client.registry import Collector
+from snowflake_thrift_client import __version__
+
+from .._cluster.membership import Cluster, advertised_address
+from .._config.settings import ServerSettings
+from .._errors import ConfigurationError, StartupRefused
+from .._ids.clocks import wall_clock_ms
+from .._ids.generator import IdSource
+from .._observability.admin import AdminServer, Health
+from .._observability.audit import AuditLog
+from .._observability.metrics import ConnectionStats, ServiceMetrics
+from .._state.reservation import MarkStore
+from .._state.worker import CurrentReservation, Worker, WorkerSlot
+from .._thrift.handler import Processor, SnowflakeHandler, service_methods
+from .._thrift.server import ThriftServer
+from .._thrift.tls import server_context
+from .ready import ready_line
+
+__all__ = ["Mode", "Node", "clustered", "serve", "standalone"]
+
+log = logging.getLogger("snowflake_server")
+
+
+@dataclass
+class Mode:
+    """What a mode gives the rest of the node."""
+
+    source: IdSource
+    collectors: list[Collector]
+    health: Health
+    join: Callable[[int], None] = lambda _port: None
+    """Called once the Thrift port is bound (peers must be able to dial us)."""
+    cleanup: list[Callable[[], None]] = field(default_factory=list)
+    """Run in reverse order at close."""
+
+
+def standalone(settings: ServerSettings, clock: Callable[[], int]) -> Mode:
+    """One worker, its id configured: lock its state, honour its mark, serve."""
+    worker = Worker.open(settings.worker, settings.worker_id, clock=clock)
+    return Mode(
+        source=worker.generator,
+        collectors=[worker.reservation],
+        health=lambda: (True, {}),
+        cleanup=[worker.close],
+    )
+
+
+def clustered(
+    settings: ServerSettings, clock: Callable[[], int], client_factory: Callable[..., Any]
+) -> Mode:
+    """A worker id leased from ZooKeeper once the port is bound, served while the
+    session is proven (see ``Cluster``)."""
+    slot = WorkerSlot(settings.ids)
+    mode = Mode(source=slot, collectors=[CurrentReservation(slot)], health=lambda: (False, {}))
+
+    def open_worker(worker_id: int, remote: tuple[MarkStore, int]) -> Worker:
+        return Worker.open(settings.worker, worker_id, clock=clock, remote=remote)
+
+    def join(port: int) -> None:
+        cluster = Cluster(
+            settings.cluster,
+            slot,
+            clock,
+            advertised_address(settings.cluster, port),
+            open_worker=open_worker,
+            client_factory=client_factory,
+        )
+        cluster.connect()
+        mode.cleanup.append(cluster.close)
+        try:
+            cluster.check_peers()
+            cluster.register()
+        except (KazooException, KazooTimeoutError) as e:
+            raise StartupRefused(
+                f"ZooKeeper failed during start-up: {type(e).__name__}: {e}; start again"
+            ) from None
+        mode.collectors.append(cluster)
+        mode.health = cluster.health
+
+    mode.join = join
+    return mode
+
+
+class Node:
+    """One server process: ``start()``, ``run()`` until ``request_stop()``, ``close()``.
+
+    Also a context manager (start on entry, close on exit). ``clock`` is the
+    wall clock ids are stamped with; ``zk_client_factory`` makes ZooKeeper
+    clients in cluster mode.
+    """
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        *,
+        clock: Callable[[], int] = wall_clock_ms,
+        zk_client_factory: Callable[..., Any] = KazooClient,
+    ) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._zk_client_factory = zk_client_factory
+        self._cleanup = contextlib.ExitStack()
+        self._server: ThriftServer | None = None
+        self.mode: Mode | None = None
+        self.thrift_address = ("", 0)
+        self.admin_address = ("", 0)
+
+    def start(self) -> None:
+        """Build and open everything; on failure close what was opened and raise
+        (``ConfigurationError``: bad settings or a port in use; ``StartupRefused``:
+        starting could repeat ids)."""
+        try:
+            self._start()
+        except BaseException:
+            self._cleanup.close()
+            raise
+
+    def _start(self) -> None:
+        settings, cleanup = self.settings, self._cleanup
+        if settings.zookeeper:
+            mode = clustered(settings, self._clock, self._zk_client_factory)
+        else:
+            mode = standalone(settings, self._clock)
+        self.mode = mode
+        cleanup.callback(lambda: [close() for close in reversed(mode.cleanup)])
+        metrics = ServiceMetrics(mode.source, service_methods(), max_agents=settings.max_agents)
+        audit = None
+        if settings.audit.path:
+            audit = AuditLog(settings.audit.path, settings.audit.queue)
+            audit.start()
+            cleanup.callback(audit.close)  # after the server: every id issued is written
+            mode.collectors.append(audit)
+        thrift = settings.thrift
+        tls = (
+            server_context(thrift.tls_cert, thrift.tls_key, thrift.tls_client_ca)
+            if thrift.tls_cert
+            else None
+        )
+        source, clock = mode.source, self._clock
+
+        def make_processor(stats: ConnectionStats) -> Processor:
+            return Processor(SnowflakeHandler(source, metrics, stats, clock, audit), stats)
+
+        server = ThriftServer(make_processor, metrics, thrift, tls=tls)
+        cleanup.callback(server.close)
+        self.thrift_address = server.bind()
+        self._server = server
+        mode.join(self.thrift_address[1])
+
+        def report() -> tuple[bool, dict[str, object]]:
+            healthy, details = mode.health()
+            ids = source.settings
+            return healthy, {
+                "worker_id": ids.worker_id,
+                "datacenter_id": ids.datacenter_id,
+                "version": __version__,
+                **details,
+            }
+
+        admin_settings = settings.admin
+        try:
+            admin = AdminServer(
+                metrics.registry(*mode.collectors),
+                report,
+                host=admin_settings.host,
+                port=admin_settings.port,
+            )
+        except OSError as e:
+            raise ConfigurationError(
+                f"cannot listen on {admin_settings.host}:{admin_settings.port}: {e}"
+            ) from None
+        admin.start()
+        cleanup.callback(admin.stop)
+        self.admin_address = admin.address
+
+    def run(self) -> None:
+        """Serve until :meth:`request_stop`; calls in flight finish first."""
+        assert self._server is not None, "start() first"
+        self._server.serve_forever()
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to return. Safe from a signal handler or any thread."""
+        if self._server is not None:
+            self._server.request_shutdown()
+
+    def close(self) -> None:
+        """Stop everything started, in reverse: the exact final marks are written."""
+        self._cleanup.close()
+
+    def __enter__(self) -> Node:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def serve(settings: ServerSettings) -> int:
+    """Run a server with ``settings`` until SIGTERM/SIGINT; return the exit code."""
+    with Node(settings) as node:
+
+        def on_signal(signum: int, _frame: object) -> None:
+            log.info("received %s: finishing calls in flight", signal.Signals(signum).name)
+            node.request_stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        ids = node.mode.source.settings if node.mode is not None else settings.ids
+        log.info(
+            "serving %s/binary on %s:%d (datacenter %d, worker %d); metrics on "
+            "http://%s:%d/metrics",
+            settings.transport, *node.thrift_address, ids.datacenter_id, ids.worker_id,
+            *node.admin_address,
+        )  # fmt: skip
+        print(ready_line(node.thrift_address, node.admin_address), flush=True)
+        node.run()
+    log.info("stopped")
+    return 0

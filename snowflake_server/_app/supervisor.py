@@ -1,0 +1,233 @@
+"""``--processes N``: N server processes on one port, one worker id each.
+
+Python serves on one core per process, and one worker id makes at most 4,096
+ids per ms. So a host scales by processes, not threads: the supervisor starts
+N children that bind the same Thrift port with SO_REUSEPORT (the kernel
+spreads connections over them), each with its own worker id (consecutive from
+``--worker-id``, or leased from ZooKeeper with ``auto``) and therefore its own
+generator, state file and lock: nothing is shared between them. The
+supervisor serves the metrics of all children on the one metrics port (each
+sample labelled ``process``), answers ``/health`` for all of them, restarts a
+child that dies, and passes SIGTERM/SIGINT on.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import replace
+
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from .._config.options import OPTIONS
+from .._config.settings import ServerSettings
+from .._errors import ConfigurationError, StartupRefused
+from .._observability.admin import AdminServer
+from .._thrift.server import listen_socket
+from .ready import parse_ready_line, ready_line
+
+__all__ = ["Supervisor", "child_argv"]
+
+log = logging.getLogger(__name__)
+_START_TIMEOUT_S = 60.0  # a child may wait for its clock (--max-startup-wait) and ZooKeeper
+_STOP_TIMEOUT_S = 10.0
+_SCRAPE_TIMEOUT_S = 2.0
+
+
+def child_argv(settings: ServerSettings) -> list[str]:
+    """Flags that give a child exactly ``settings`` (flags beat environment and file)."""
+    argv: list[str] = []
+    for option in OPTIONS:
+        value = getattr(settings, option.name)
+        if option.is_switch:
+            if value:
+                argv.append(option.flag)
+        elif value != "":
+            argv += [
+                option.flag,
+                "auto" if option.name == "worker_id" and value < 0 else str(value),
+            ]
+    return argv
+
+
+class _Child:
+    def __init__(self, index: int, settings: ServerSettings) -> None:
+        self.index = index
+        self.settings = settings
+        self.process: subprocess.Popen[str] | None = None
+        self.metrics = ""  # host:port of its admin endpoint
+        self.restarts = 0
+
+    def start(self) -> None:
+        command = [sys.executable, "-m", "snowflake_server", *child_argv(self.settings)]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            deadline = time.monotonic() + _START_TIMEOUT_S
+            while selector.select(max(0.0, deadline - time.monotonic())):
+                line = self.process.stdout.readline()
+                if not line:
+                    break
+                ready = parse_ready_line(line)
+                if ready is not None:
+                    self.metrics = "{}:{}".format(*ready.metrics)
+                    return
+        self.process.kill()
+        code = self.process.wait()
+        raise StartupRefused(
+            f"process {self.index} (worker {self.settings.worker_id}) did not start "
+            f"(exit code {code}); its error is above"
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def get(self, path: str) -> tuple[int, str]:
+        url = f"http://{self.metrics}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=_SCRAPE_TIMEOUT_S) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as e:
+            with e:
+                return e.code, e.read().decode()
+        except OSError as e:
+            return 503, str(e)
+
+
+class _ChildrenMetrics(Collector):
+    """Every child's metrics, each sample labelled with its process index."""
+
+    def __init__(self, children: list[_Child]) -> None:
+        self._children = children
+
+    def collect(self) -> Iterable[Metric]:
+        merged: dict[str, Metric] = {}
+        for child in self._children:
+            status, text = child.get("/metrics")
+            if status != 200:
+                continue
+            for family in text_string_to_metric_families(text):
+                into = merged.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type)
+                )
+                for sample in family.samples:
+                    labels = {**sample.labels, "process": str(child.index)}
+                    into.samples.append(sample._replace(labels=labels))
+        yield from merged.values()
+
+
+class Supervisor:
+    """Runs ``settings.processes`` children; see the module docstring."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self._settings = settings
+        self._stop = threading.Event()
+        self._children: list[_Child] = []
+
+    def _child_settings(self, index: int, port: int) -> ServerSettings:
+        settings = self._settings
+        worker_id = settings.worker_id if settings.auto_worker_id else settings.worker_id + index
+        # Checked as it is made: the consecutive worker id must fit the layout.
+        return replace(
+            settings,
+            port=port,
+            processes=1,
+            reuse_port=True,
+            worker_id=worker_id,
+            metrics_host="127.0.0.1",
+            metrics_port=0,
+        )
+
+    def run(self) -> int:
+        settings = self._settings
+        # Hold the port (SO_REUSEPORT, not listening) so that port 0 means one port for all.
+        holder = listen_socket(settings.host, settings.port, reuse_port=True)
+        port = holder.getsockname()[1]
+        try:
+            for index in range(settings.processes):
+                child = _Child(index, self._child_settings(index, port))
+                self._children.append(child)
+                child.start()
+        except BaseException:
+            self._stop_children()
+            raise
+        finally:
+            holder.close()
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_ChildrenMetrics(self._children))
+        try:
+            admin = AdminServer(
+                registry, self._health, host=settings.metrics_host, port=settings.metrics_port
+            )
+        except OSError as e:
+            self._stop_children()
+            raise ConfigurationError(
+                f"cannot listen on {settings.metrics_host}:{settings.metrics_port}: {e}"
+            ) from None
+        admin.start()
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        metrics_host, metrics_port = admin.address
+        log.info("%d processes serving on %s:%d", settings.processes, settings.host, port)
+        print(ready_line((settings.host, port), (metrics_host, metrics_port)), flush=True)
+        try:
+            self._watch()
+        finally:
+            code = self._stop_children()
+            admin.stop()
+        return code
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        log.info("received %s: stopping %d processes", signal.Signals(signum).name,
+                 len(self._children))  # fmt: skip
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.5):
+            for child in self._children:
+                if not child.alive() and not self._stop.is_set():
+                    code = child.process.returncode if child.process else None
+                    log.error("process %d exited (code %s): restarting it", child.index, code)
+                    child.restarts += 1
+                    try:
+                        child.start()  # same worker id and state: its mark is honoured
+                    except StartupRefused as e:
+                        log.error("%s", e)
+
+    def _stop_children(self) -> int:
+        code = 0
+        for child in self._children:
+            if child.alive():
+                assert child.process is not None
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        for child in self._children:
+            if child.process is None:
+                continue
+            try:
+                if child.process.wait(max(0.1, deadline - time.monotonic())) != 0:
+                    code = 1
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+                code = 1
+            if child.process.stdout is not None:
+                child.process.stdout.close()
+        return code
+
+    def _health(self) -> tuple[bool, dict[str, object]]:
+        states = {str(child.index): child.get("/health")[0] for child in self._children}
+        return all(status == 200 for status in states.values()), {
+            "processes": {index: "ok" if s == 200 else "unavailable" for index, s in states.items()}
+        }

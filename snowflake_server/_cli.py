@@ -1,0 +1,216 @@
+"""``snowflake``: get ids from a server, or decode ids.
+
+    snowflake get [--server HOST:PORT ...] [--count N] [--agent A] [--json]
+    snowflake decode ID [ID ...] [--json]
+
+``--json`` prints ids as strings: they exceed JavaScript's 2^53.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from snowflake_thrift_client import (
+    DEFAULT_PORT,
+    CallFailedError,
+    ClockMovedBackwardsError,
+    ConfigurationError,
+    Discovery,
+    NoServerAvailableError,
+    RequestError,
+    SnowflakePool,
+    ZooKeeperDiscovery,
+    __version__,
+    parse_server,
+)
+from thriftpy2.thrift import TApplicationException
+
+from ._config.options import OPTIONS
+from ._config.settings import ServerSettings, layout_from
+
+__all__ = ["main"]
+
+_LAYOUT_OPTIONS = (
+    "epoch",
+    "timestamp_bits",
+    "datacenter_id_bits",
+    "worker_id_bits",
+    "sequence_bits",
+)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="snowflake", description="Get ids from a snowflake server, or decode ids."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    get = commands.add_parser("get", help="print new ids from a server, one per line")
+    get.add_argument(
+        "--server", action="append", type=_server, metavar="HOST:PORT",
+        help="a server to ask; repeat it to fail over to the next ones (default 127.0.0.1:7609)",
+    )  # fmt: skip
+    get.add_argument(
+        "--zookeeper", metavar="HOSTS",
+        help="find the servers registered in this ZooKeeper ensemble (cluster mode), "
+        "instead of --server",
+    )  # fmt: skip
+    get.add_argument("--zk-path", default="/snowflake-servers",
+                     help="ZooKeeper path of the cluster (default /snowflake-servers)")  # fmt: skip
+    get.add_argument("--host", help="server address (default 127.0.0.1), instead of --server")
+    get.add_argument("--port", type=int, help=f"server port (default {DEFAULT_PORT})")
+    get.add_argument("--transport", choices=("framed", "buffered"), default="framed",
+                     help="Thrift transport (default framed)")  # fmt: skip
+    get.add_argument(
+        "--count",
+        type=int,
+        default=1,
+        help="how many ids, 1..2^sequence_bits: 4096 by default (default 1)",
+    )
+    get.add_argument("--agent", default="snowflake-cli", help="user agent (default snowflake-cli)")
+    get.add_argument("--timeout", type=_seconds, default=5.0,
+                     help="seconds to wait for a connection or a reply (default 5)")  # fmt: skip
+    get.add_argument("--json", action="store_true", help="print a JSON array of id strings")
+
+    decode = commands.add_parser("decode", help="print the time and parts of ids")
+    decode.add_argument("ids", nargs="+", metavar="ID")
+    decode.add_argument("--json", action="store_true", help="print a JSON array of objects")
+    defaults = ServerSettings()
+    for option in OPTIONS:
+        if option.name in _LAYOUT_OPTIONS:
+            decode.add_argument(
+                option.flag, dest=option.name, type=option.parse, metavar=option.metavar,
+                default=getattr(defaults, option.name),
+                help=f"{option.help} (default {getattr(defaults, option.name)})",
+            )  # fmt: skip
+    return parser
+
+
+def _server(text: str) -> tuple[str, int]:
+    try:
+        return parse_server(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
+
+
+def _servers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[tuple[str, int]]:
+    if args.server and (args.host is not None or args.port is not None):
+        parser.error("give either --server or --host/--port, not both")
+    if args.zookeeper and (args.server or args.host is not None or args.port is not None):
+        parser.error("give either --zookeeper or --server/--host/--port, not both")
+    if args.server:
+        return list(args.server)
+    host = "127.0.0.1" if args.host is None else args.host
+    try:
+        return [parse_server((host, DEFAULT_PORT if args.port is None else args.port))]
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _explain(address: str, failure: Exception, transport: str) -> str:
+    if isinstance(failure, CallFailedError):
+        if not failure.connected:
+            return f"cannot reach {failure.address}: {failure.reason}"
+        if failure.timed_out:
+            return f"no reply in time from {failure.address}"
+        if isinstance(failure.__cause__, TApplicationException):
+            return f"error from {failure.address}: {failure.reason}"
+        hint = f"does it speak --transport {transport}?"
+        return f"no valid reply from {failure.address} ({hint}): {failure.reason}"
+    name = "InvalidSystemClock" if isinstance(failure, ClockMovedBackwardsError) else None
+    return f"{address} refused: {name or type(failure).__name__}: {failure}"
+
+
+def _get(args: argparse.Namespace, servers: list[tuple[str, int]]) -> int:
+    # Failures are reported below, once; the pool's and kazoo's own logs would repeat them.
+    quiet = [logging.getLogger(name) for name in ("snowflake_thrift_client", "kazoo")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        if not args.zookeeper:
+            return _get_from(args, servers)
+        with ZooKeeperDiscovery(args.zookeeper, args.zk_path, timeout=args.timeout) as found:
+            return _get_from(args, found)
+    finally:
+        for logger, level in zip(quiet, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _get_from(args: argparse.Namespace, servers: list[tuple[str, int]] | Discovery) -> int:
+    with SnowflakePool(
+        servers, agent=args.agent, transport=args.transport, timeout=args.timeout, pool_size=1
+    ) as pool:
+        try:
+            ids = pool.next_ids(args.count) if args.count != 1 else [pool.next_id()]
+        except RequestError as e:
+            print(f"snowflake get: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        except NoServerAvailableError as e:
+            if not e.failures:  # discovery failed: no server was even tried
+                print(f"snowflake get: {e}", file=sys.stderr)
+                return 1
+            seen = set()
+            for address, failure in e.failures:
+                line = _explain(address, failure, args.transport)
+                if line not in seen:
+                    seen.add(line)
+                    print(f"snowflake get: {line}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps([str(i) for i in ids]))
+    else:
+        print("\n".join(map(str, ids)))
+    return 0
+
+
+def _decode(args: argparse.Namespace) -> int:
+    layout = layout_from(args)
+    described = []
+    for text in args.ids:
+        try:
+            described.append(layout.decompose(int(text)).to_json())
+        except (ValueError, ConfigurationError) as e:
+            print(f"snowflake decode: error: {text!r} is not an id of this layout: {e}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    if args.json:
+        print(json.dumps(described))
+        return 0
+    for d in described:
+        print(
+            f"{d['id']}\n  time        {d['time']} ({d['timestamp_ms']} ms)\n"
+            f"  datacenter  {d['datacenter_id']}\n  worker      {d['worker_id']}\n"
+            f"  sequence    {d['sequence']}"
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``snowflake``."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _get(args, _servers(args, parser)) if args.command == "get" else _decode(args)
+    except ConfigurationError as e:
+        print(f"snowflake {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

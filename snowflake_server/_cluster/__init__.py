@@ -1,0 +1,1 @@
+"""Cluster mode: worker ids leased in ZooKeeper, peer checks, marks in ZooKeeper."""

@@ -1,0 +1,387 @@
+"""Cluster mode: worker ids registered and leased in ZooKeeper.
+
+Znodes under ``--zk-path`` (``/snowflake-servers`` by default)::
+
+    nodes/<datacenter>/<worker>   ephemeral, "host:port" of the node holding that worker id
+    marks/<datacenter>/<worker>   persistent, the worker id's high-water mark in ms
+
+A node checks its registered peers (ids and clock, as Twitter's server did),
+then registers (a static id, or the lowest free one with ``--worker-id
+auto``), honours the id's high-water mark from ZooKeeper as well as from its
+own disk (so an id recycled from a dead host never repeats a timestamp), and
+serves. It hands out ids only while its ephemeral node is certainly its own:
+a heartbeat proves the node is still there and owned by our session, and ids
+stop ``0.9 x session timeout`` after the last proof, whatever the session
+state says. After a lost session, or a node gone, it registers again (same id
+if free, otherwise another, with that id's mark); a client stuck in SUSPENDED
+(a ZooKeeper that came back empty) is replaced by a new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import KazooException, NodeExistsError
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.retry import KazooRetry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .._config.settings import ClusterSettings
+from .._errors import StartupRefused
+from .._ids.clocks import boot_clock, pause
+from .._state.reservation import MarkStore
+from .._state.worker import Worker, WorkerSlot
+from .peers import check_peers
+from .zkmarks import ZK_MARK_AHEAD_MS, ZkMarkStore
+
+__all__ = ["Cluster", "OpenWorker", "advertised_address"]
+
+log = logging.getLogger(__name__)
+
+OpenWorker = Callable[[int, tuple[MarkStore, int]], Worker]
+"""Opens the worker of a leased id, honouring the id's mark in ZooKeeper (the
+store and its margin); see :meth:`Worker.open`."""
+
+_OP_TIMEOUT_S = 2.0
+_GHOST_RETRIES = 2  # Twitter's: retry twice, 1 s apart; it may be our own ghost
+
+
+def advertised_address(settings: ClusterSettings, bound_port: int) -> str:
+    """``host:port`` for peers and clients: the advertise flags, else what was bound."""
+    host = settings.advertise_host or settings.host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.getfqdn()
+    return f"{host}:{settings.advertise_port or bound_port}"
+
+
+class Cluster(Collector):
+    """This node's membership: connect, check peers, register, keep serving safely.
+
+    Everything outside it is injected: ``open_worker`` opens the worker of a
+    leased id, ``client_factory`` makes the ZooKeeper client (``KazooClient``'s
+    arguments), ``clock`` is the wall clock in ms (peer checks), ``gate`` the
+    session gate's clock in seconds (the slot's), ``sleep`` waits between
+    retries of a held worker id.
+    """
+
+    def __init__(
+        self,
+        settings: ClusterSettings,
+        slot: WorkerSlot,
+        clock: Callable[[], int],
+        address: str,
+        *,
+        open_worker: OpenWorker,
+        client_factory: Callable[..., Any] = KazooClient,
+        gate: Callable[[], float] = boot_clock,
+        sleep: Callable[[float], object] = pause,
+    ) -> None:
+        self._settings = settings
+        self._slot = slot
+        self._clock = clock
+        self._open_worker = open_worker
+        self._client_factory = client_factory
+        self._gate = gate
+        self._sleep = sleep
+        self.address = address
+        self._timeout = settings.zk_session_timeout
+        self._dc = settings.datacenter_id
+        self._nodes = f"{settings.zk_path}/nodes/{self._dc}"
+        self._marks = f"{settings.zk_path}/marks/{self._dc}"
+        self._client: Any = None
+        self._node: str | None = None
+        self._needs_register = False
+        self._suspended_since: float | None = None
+        self._last_contact = float("-inf")
+        self._events: Counter[str] = Counter()
+        self.registrations = 0
+        self.client_restarts = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    # -- start-up -------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Open a session, or raise ``StartupRefused`` within ``--zk-connect-timeout``."""
+        self._client = self._start_client()
+        if self._client is None:
+            raise StartupRefused(
+                f"cannot reach ZooKeeper at {self._settings.zookeeper} within "
+                f"{self._settings.zk_connect_timeout:g} s (--zk-connect-timeout); is it running "
+                "and is --zookeeper right?"
+            )
+
+    def _start_client(self) -> Any:
+        client = self._client_factory(
+            hosts=self._settings.zookeeper,
+            timeout=self._timeout,
+            # Reconnect for as long as it takes (the session gate keeps ids safe
+            # meanwhile); a command that meets a dropped connection waits for it.
+            connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0),
+            command_retry=KazooRetry(max_tries=5, delay=0.1, max_delay=1.0),
+        )
+        client.add_listener(self._on_state)
+        try:
+            client.start(timeout=self._settings.zk_connect_timeout)
+        except KazooTimeoutError:
+            client.stop()
+            client.close()
+            return None
+        return client
+
+    def check_peers(self) -> None:
+        """Twitter's sanity checks against every registered peer (see ``peers``)."""
+        check_peers(self._client, self._settings, self.address, self._clock)
+
+    def register(self) -> None:
+        """Take a worker id (retrying a held static one twice, 1 s apart, as Twitter
+        did), honour its marks and start serving it. ``StartupRefused`` if none."""
+        self._register(preferred=None, patient=True)
+        self._thread = threading.Thread(target=self._supervise, name="zookeeper", daemon=True)
+        self._thread.start()
+
+    # -- registration ---------------------------------------------------------
+
+    def _register(self, preferred: int | None, patient: bool) -> None:
+        worker_id = self._lease(preferred, patient)
+        node = f"{self._nodes}/{worker_id}"
+        try:
+            store = ZkMarkStore.load(
+                lambda: self._client, f"{self._marks}/{worker_id}", self.lost_ownership
+            )
+            worker = self._open_worker(worker_id, (store, ZK_MARK_AHEAD_MS))
+        except BaseException:
+            self._delete(node)
+            raise
+        self._node = node
+        self._slot.install(worker)
+        self._needs_register = False
+        self.registrations += 1
+        log.info("registered %s as datacenter %d, worker %d", self.address, self._dc, worker_id)
+        self._heartbeat()
+
+    def _lease(self, preferred: int | None, patient: bool) -> int:
+        self._client.retry(self._client.ensure_path, self._nodes)
+        data = self.address.encode()
+        if not self._settings.auto_worker_id:
+            worker_id = self._settings.worker_id
+            path = f"{self._nodes}/{worker_id}"
+            for attempt in range(_GHOST_RETRIES + 1 if patient else 1):
+                if self._take(path, data):
+                    return worker_id
+                if attempt < _GHOST_RETRIES and patient:
+                    self._sleep(1.0)
+            raise StartupRefused(
+                f"worker id {worker_id} of datacenter {self._dc} is registered by "
+                f"{self._holder(path)} ({path}); two nodes with one worker id would hand out "
+                "the same ids: stop that node, wait for its session to expire, or use another "
+                "--worker-id (or auto)"
+            )
+        max_id = self._settings.max_worker_id
+        order = list(range(max_id + 1))
+        if preferred is not None:  # the id we had, if it is still free
+            order.remove(preferred)
+            order.insert(0, preferred)
+        for worker_id in order:
+            if self._take(f"{self._nodes}/{worker_id}", data):
+                return worker_id
+        raise StartupRefused(
+            f"all {max_id + 1} worker ids of datacenter {self._dc} are leased "
+            f"({self._nodes}); widen --worker-id-bits or use another datacenter id"
+        )
+
+    def _take(self, path: str, data: bytes) -> bool:
+        """Create our ephemeral registration at ``path``; False if another session holds it.
+
+        Retried through a dropped connection; a create whose reply was lost finds our
+        own node on the retry, which counts as taken.
+        """
+        client = self._client
+        try:
+            client.retry(client.create, path, data, ephemeral=True)
+            return True
+        except NodeExistsError:
+            stat = client.retry(client.exists, path)
+            return stat is not None and stat.ephemeralOwner == client.client_id[0]
+
+    def _holder(self, path: str) -> str:
+        try:
+            data, _ = self._client.get(path)
+            return str(data.decode(errors="replace"))
+        except KazooException:
+            return "another node"
+
+    def _delete(self, node: str) -> None:
+        try:
+            self._client.delete(node)
+        except (KazooException, KazooTimeoutError) as e:
+            log.warning("could not delete %s: %s (it expires with the session)", node, e)
+
+    # -- keeping it safe ------------------------------------------------------
+
+    def lost_ownership(self, why: str) -> None:
+        """Stop serving at once and register again: another node holds our worker id."""
+        log.error("this node no longer owns its worker id: %s", why)
+        self._slot.close(f"worker id lost: {why}; registering again")
+        self._needs_register = True
+
+    def _on_state(self, state: str) -> None:
+        # Runs on kazoo's thread: record and return, never block.
+        self._events[state.lower()] += 1
+        if state == KazooState.LOST:
+            self._slot.close("the ZooKeeper session was lost; registering again")
+            self._needs_register = True
+            # Usually reconnected at once; if not, _tick replaces the client in time.
+            if self._suspended_since is None:
+                self._suspended_since = self._gate()
+        elif state == KazooState.SUSPENDED:
+            if self._suspended_since is None:
+                self._suspended_since = self._gate()
+            self._slot.closed_reason = "ZooKeeper unreachable for longer than the session allows"
+        else:
+            self._suspended_since = None
+        log.log(logging.INFO if state == KazooState.CONNECTED else logging.WARNING,
+                "ZooKeeper session %s", state)  # fmt: skip
+
+    def _supervise(self) -> None:
+        interval = min(1.0, self._timeout / 4)
+        while not self._stop.wait(interval):
+            try:
+                self._tick()
+            except StartupRefused as e:
+                log.error("cannot register again yet: %s", e)
+            except Exception as e:  # noqa: BLE001 - retried on the next tick
+                log.warning("ZooKeeper supervision: %s: %s", type(e).__name__, e)
+
+    def _tick(self) -> None:
+        suspended = self._suspended_since
+        if self._client is None or (
+            suspended is not None and self._gate() - suspended > self._timeout
+        ):
+            # Past the session timeout and still SUSPENDED: a ZooKeeper that came back
+            # empty never says LOST. Drop this client and start a new session.
+            self._restart_client()
+            return
+        if not self._client.connected:
+            return
+        if self._needs_register or self._node is None:
+            self._register_again()
+            return
+        self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        node = self._node
+        assert node is not None
+        sent = self._gate()
+        stat = self._client.exists_async(node).get(timeout=_OP_TIMEOUT_S)
+        if stat is None or stat.ephemeralOwner != self._client.client_id[0]:
+            log.error("our registration %s is gone or not ours any more", node)
+            self._slot.close(f"registration {node} lost; registering again")
+            self._needs_register = True
+            return
+        # The server heard from our session after `sent`: the node is ours until at
+        # least sent + session timeout; stop a little earlier.
+        self._last_contact = sent
+        self._slot.open_until = sent + 0.9 * self._timeout
+        self._slot.closed_reason = "ZooKeeper unreachable for longer than the session allows"
+
+    def _register_again(self) -> None:
+        old = self._slot.retire()
+        previous = None
+        if old is not None:
+            previous = old.worker_id
+            old.close()
+        if self._node is not None:
+            stat = self._client.exists(self._node)
+            if stat is not None and stat.ephemeralOwner == self._client.client_id[0]:
+                self._delete(self._node)  # ours; a node someone else holds is not ours to delete
+        self._node = None
+        self._register(preferred=previous, patient=False)
+        log.warning("registered again as worker %d", self._slot.settings.worker_id)
+
+    def _restart_client(self) -> None:
+        self._slot.close("replacing a ZooKeeper client stuck without a session")
+        old, self._client = self._client, None
+        if old is not None:
+            log.warning("replacing a ZooKeeper client stuck without a session")
+            try:
+                old.stop()
+                old.close()
+            except Exception as e:  # noqa: BLE001 - it is being thrown away
+                log.debug("closing the old client: %s", e)
+        self._suspended_since = None
+        self._client = self._start_client()
+        self.client_restarts += 1
+        self._needs_register = True
+
+    # -- shutdown, health, metrics -------------------------------------------
+
+    def close(self) -> None:
+        """Stop serving, store the exact final marks, delete our node, end the session."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        worker = self._slot.retire()
+        if worker is not None:
+            worker.close()
+        client = self._client
+        if client is None:
+            return
+        if self._node is not None and client.connected:
+            self._delete(self._node)
+        client.stop()
+        client.close()
+
+    def health(self) -> tuple[bool, dict[str, object]]:
+        serving = self._slot.serving
+        details: dict[str, object] = {
+            "zookeeper": self._client.state if self._client is not None else "NONE",
+            "registered": self._node,
+        }
+        if not serving:
+            details["reason"] = self._slot.closed_reason
+        return serving, details
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(
+            "snowflake_zookeeper_registered",
+            "1 while this node holds a registered worker id in ZooKeeper.",
+            value=int(self._node is not None and self._slot.worker is not None),
+        )
+        yield GaugeMetricFamily(
+            "snowflake_serving", "1 while this node hands out ids.", value=int(self._slot.serving)
+        )
+        events = CounterMetricFamily(
+            "snowflake_zookeeper_session_events",
+            "ZooKeeper session state transitions, by new state.",
+            labels=["state"],
+        )
+        for state in ("connected", "suspended", "lost"):
+            events.add_metric([state], self._events[state])
+        yield events
+        yield GaugeMetricFamily(
+            "snowflake_zookeeper_last_contact_age_seconds",
+            "Seconds since ZooKeeper last confirmed that our registration is ours.",
+            value=self._gate() - self._last_contact,
+        )
+        yield CounterMetricFamily(
+            "snowflake_zookeeper_registrations",
+            "Registrations of a worker id (the first, and each after a lost session).",
+            value=self.registrations,
+        )
+        yield CounterMetricFamily(
+            "snowflake_zookeeper_client_restarts",
+            "ZooKeeper clients replaced after staying without a session too long.",
+            value=self.client_restarts,
+        )

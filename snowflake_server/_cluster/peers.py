@@ -1,0 +1,131 @@
+"""Twitter's start-up sanity checks: every registered peer's ids and clock.
+
+A node asks each registered peer for its worker id, datacenter id and time
+before it registers: a peer answering with ids other than those registered at
+its address (worker or datacenter insanity), an unreachable peer, or a mean
+clock offset beyond ``--max-peer-skew`` refuses start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kazoo.exceptions import NoNodeError
+from snowflake_thrift_client._transports import open_client
+
+from .._config.settings import ClusterSettings
+from .._errors import StartupRefused
+
+__all__ = ["check_peers", "children"]
+
+log = logging.getLogger(__name__)
+
+_PEER_TIMEOUT_S = 1.0
+
+
+def children(client: Any, path: str) -> list[str]:
+    """The children of ``path`` in numeric order (none if it does not exist)."""
+    try:
+        names = client.retry(client.get_children, path)
+        return sorted(names, key=lambda n: (len(n), n))
+    except NoNodeError:
+        return []
+
+
+def check_peers(
+    client: Any, settings: ClusterSettings, address: str, clock: Callable[[], int]
+) -> None:
+    """Check every peer registered under ``settings.zk_path`` (except ``address``,
+    our own); ``StartupRefused`` naming the peer and the number that was wrong."""
+    if settings.skip_sanity_checks:
+        log.warning("--skip-sanity-checks: not asking registered peers")
+        return
+    root = f"{settings.zk_path}/nodes"
+    # One address may hold several registrations (a node run with --processes: any
+    # of its processes may answer), so each address is asked once.
+    registered: dict[str, set[tuple[int, int]]] = {}
+    for dc_name in children(client, root):
+        for worker_name in children(client, f"{root}/{dc_name}"):
+            try:
+                data, _ = client.retry(client.get, f"{root}/{dc_name}/{worker_name}")
+            except NoNodeError:
+                continue  # gone meanwhile
+            peer = data.decode(errors="replace")
+            registered.setdefault(peer, set()).add((int(dc_name), int(worker_name)))
+    # Our own address: sibling processes on this host and clock; asking could even
+    # reach our own listening socket, which does not answer before we register.
+    registered.pop(address, None)
+    transport = settings.transport
+    skews = [(peer, _check_peer(peer, ids, transport, clock)) for peer, ids in registered.items()]
+    if not skews:
+        log.info("no registered peers to check")
+        return
+    mean = sum(skew for _, skew in skews) / len(skews)
+    if abs(mean) > settings.max_peer_skew * 1000:
+        detail = ", ".join(f"{peer} {skew:+d} ms" for peer, skew in skews)
+        raise StartupRefused(
+            f"our clock is {abs(mean):.0f} ms {'behind' if mean > 0 else 'ahead of'} the "
+            f"mean of {len(skews)} peers' clocks, more than --max-peer-skew "
+            f"{settings.max_peer_skew:g} s (peers relative to us: {detail}); fix "
+            "the clocks (NTP)"
+        )
+    log.info("%d peer(s) sane; mean clock offset %+.0f ms", len(skews), mean)
+
+
+def _check_peer(
+    peer: str, registered: set[tuple[int, int]], transport: str, clock: Callable[[], int]
+) -> int:
+    """The peer's clock minus ours, in ms, after checking its ids against the
+    (datacenter, worker) pairs registered at its address.
+
+    Several pairs at one address are the processes of one node (``--processes``):
+    the kernel picks which one answers a connection, so connections are opened
+    (up to 8 per pair) until each registered pair has answered. An answer that is
+    not registered there, or a registered pair that never answers, is insanity.
+    """
+    as_text = ", ".join(f"datacenter {dc}, worker {w}" for dc, w in sorted(registered))
+    where = f"peer {peer} (registered as {as_text})"
+    answered: set[tuple[int, int]] = set()
+    skew: int | None = None
+    for _ in range(8 * len(registered)):
+        pair, offset = _ask_peer(peer, where, transport, clock)
+        if pair[1] not in {w for _, w in registered}:
+            raise StartupRefused(f"Worker id insanity: {where} says it is worker {pair[1]}")
+        if pair not in registered:
+            raise StartupRefused(
+                f"Datacenter id insanity: {where} says it is in datacenter {pair[0]}"
+            )
+        answered.add(pair)
+        skew = offset if skew is None else skew
+        if answered == registered:
+            return skew
+    missing = "; ".join(f"datacenter {dc}, worker {w}" for dc, w in sorted(registered - answered))
+    raise StartupRefused(
+        f"Worker id insanity: {where} never answered as {missing} in "
+        f"{8 * len(registered)} connections"
+    )
+
+
+def _ask_peer(
+    peer: str, where: str, transport: str, clock: Callable[[], int]
+) -> tuple[tuple[int, int], int]:
+    """One connection: the (datacenter, worker) that answers, and its clock minus ours."""
+    host, _, port = peer.rpartition(":")
+    try:
+        client = open_client(host, int(port), transport, _PEER_TIMEOUT_S)
+        try:
+            peer_worker = client.get_worker_id()
+            peer_dc = client.get_datacenter_id()
+            before = clock()
+            peer_time = client.get_timestamp()
+            after = clock()
+        finally:
+            client.close()
+    except Exception as e:  # noqa: BLE001 - any failure to get an answer
+        raise StartupRefused(
+            f"{where} is unreachable: {e}; if it is gone for good its node expires with "
+            "its session, or start with --skip-sanity-checks"
+        ) from None
+    return (int(peer_dc), int(peer_worker)), int(peer_time - (before + after) // 2)

@@ -1,0 +1,1 @@
+"""Settings: the options table (flags, environment, file) and the validated settings."""

@@ -1,0 +1,287 @@
+"""Server settings from flags, ``SNOWFLAKE_*`` environment variables or a TOML file.
+
+One table, :data:`OPTIONS`, defines every setting once; it drives the flags,
+the environment variable names, the file keys, ``--help`` (in the groups of
+:data:`GROUPS`) and the options table in ``docs/configuration.md``. Precedence:
+flag, then environment, then file (``--config`` / ``SNOWFLAKE_CONFIG``), then
+default. Nothing is read at import time: call :func:`load_settings`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from snowflake_thrift_client import __version__
+
+from .._errors import ConfigurationError
+from .._state.statefile import default_state_dir
+from .settings import AUTO_WORKER_ID, LOG_LEVELS, ServerSettings, layout_from
+
+__all__ = [
+    "ENV_PREFIX",
+    "GROUPS",
+    "OPTIONS",
+    "Option",
+    "build_parser",
+    "layout_from",
+    "load_settings",
+]
+
+ENV_PREFIX = "SNOWFLAKE_"
+
+
+def _worker_id(text: str) -> int:
+    return AUTO_WORKER_ID if text.strip().lower() == "auto" else int(text)
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("must be true or false")
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting: its field in ``ServerSettings``, how to parse it, what it does.
+
+    A switch (``parse`` is ``_bool``) is a flag without a value; its
+    environment variable takes true/false, 1/0, yes/no.
+    """
+
+    name: str
+    parse: Callable[[str], Any]
+    help: str
+    metavar: str = ""
+
+    @property
+    def is_switch(self) -> bool:
+        return self.parse is _bool
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("host", str, "Address to serve Thrift on; 0.0.0.0 for every interface.", "ADDR"),
+    Option("port", int, "Thrift port; 0 picks a free one (printed at start).", "PORT"),
+    Option("transport", str,
+           "Thrift transport: framed (what Twitter's clients speak) or buffered.",
+           "{framed,buffered}"),
+    Option("idle_timeout", float,
+           "Close a client connection idle for this many seconds; 0 never.", "SECONDS"),
+    Option("datacenter_id", int, "Datacenter id of this server (0..31 by default).", "N"),
+    Option("worker_id", _worker_id,
+           "Worker id of this server, unique within its datacenter (0..31 by default); "
+           "'auto' leases the lowest free one from ZooKeeper.", "{N,auto}"),
+    Option("epoch", int, "Epoch of the ids' timestamps, in ms since the Unix epoch.", "MS"),
+    Option("timestamp_bits", int, "Bits of an id holding ms since the epoch.", "N"),
+    Option("datacenter_id_bits", int, "Bits of an id holding the datacenter id.", "N"),
+    Option("worker_id_bits", int, "Bits of an id holding the worker id.", "N"),
+    Option("sequence_bits", int, "Bits of an id holding the per-ms sequence.", "N"),
+    Option("max_backwards_ms", int,
+           "A clock step back of at most this many ms is waited out; a larger one is "
+           "refused with InvalidSystemClock. 0: always refuse (Twitter's behaviour). "
+           "At most 60000.", "MS"),
+    Option("metrics_host", str, "Address of the Prometheus metrics and health endpoint.", "ADDR"),
+    Option("metrics_port", int, "Port of /metrics and /health; 0 picks a free one.", "PORT"),
+    Option("max_agents", int,
+           "Distinct user agents that get their own metrics label; the rest share one.", "N"),
+    Option("log_level", str, "Logging threshold.",
+           "{" + ",".join(LOG_LEVELS) + "}"),
+    Option("state_dir", str,
+           "Directory of the state files holding each worker's high-water mark "
+           "(default: $XDG_STATE_HOME/snowflake or ~/.local/state/snowflake).", "DIR"),
+    Option("max_startup_wait", float,
+           "At start, wait at most this long for a clock that is behind the stored "
+           "high-water mark; further behind, refuse to start.", "SECONDS"),
+    Option("sequence_start", str,
+           "Start each ms at sequence 0 (Twitter) or at a random 0..99 (Leaf), which "
+           "spreads id %% 100 evenly at low traffic.", "{zero,random}"),
+    Option("discard_corrupt_state", _bool,
+           "Start even if the state file is unreadable or corrupt, as if it were "
+           "missing. Only when the clock is surely past every id this worker issued."),
+    Option("zookeeper", str,
+           "Cluster mode: ZooKeeper ensemble to register in, HOST:PORT[,HOST:PORT...]. "
+           "Empty: standalone.", "HOSTS"),
+    Option("zk_path", str, "ZooKeeper path under which nodes register.", "PATH"),
+    Option("advertise_host", str,
+           "Address peers and clients should dial (default: --host, or this host's "
+           "name when --host is a wildcard).", "ADDR"),
+    Option("advertise_port", int, "Port peers and clients should dial (default: the "
+           "Thrift port bound).", "PORT"),
+    Option("max_peer_skew", float,
+           "Refuse to start if our clock is further than this from the mean of the "
+           "registered peers' clocks.", "SECONDS"),
+    Option("skip_sanity_checks", _bool,
+           "Start without asking registered peers for their ids and clocks (an "
+           "unreachable peer then does not block start-up)."),
+    Option("zk_session_timeout", float,
+           "ZooKeeper session timeout; it must lie within the ensemble's min and max "
+           "session timeouts. Ids stop this long after ZooKeeper was last reached.",
+           "SECONDS"),
+    Option("zk_connect_timeout", float,
+           "At start, refuse if ZooKeeper cannot be reached within this time.", "SECONDS"),
+    Option("max_connections", int,
+           "Client connections served at once; further ones are closed at once and "
+           "counted.", "N"),
+    Option("max_frame_size", int,
+           "Largest request accepted, in bytes; a larger frame is refused before it is "
+           "read.", "BYTES"),
+    Option("tls_cert", str, "Serve TLS with this certificate (PEM; may hold the key).", "FILE"),
+    Option("tls_key", str, "The private key of --tls-cert, if in its own file.", "FILE"),
+    Option("tls_client_ca", str,
+           "Require a client certificate signed by this CA (mutual TLS).", "FILE"),
+    Option("audit_log", str,
+           "Append one JSON line per id issued to this file (off the id path; entries "
+           "are dropped, and counted, if the disk falls behind).", "FILE"),
+    Option("audit_queue", int,
+           "Audit entries that may wait in memory before new ones are dropped.", "N"),
+    Option("processes", int,
+           "Run this many server processes on the one port (SO_REUSEPORT), each with its "
+           "own worker id: consecutive from --worker-id, or leased with auto.", "N"),
+    Option("reuse_port", _bool,
+           "Let several processes listen on --port (SO_REUSEPORT); --processes sets it."),
+)  # fmt: skip
+
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("server", ("host", "port", "transport", "idle_timeout", "processes", "reuse_port")),
+    ("ids & layout", ("datacenter_id", "worker_id", "epoch", "timestamp_bits",
+                      "datacenter_id_bits", "worker_id_bits", "sequence_bits", "sequence_start")),
+    ("clock & state", ("max_backwards_ms", "state_dir", "max_startup_wait",
+                       "discard_corrupt_state")),
+    ("cluster", ("zookeeper", "zk_path", "advertise_host", "advertise_port", "max_peer_skew",
+                 "skip_sanity_checks", "zk_session_timeout", "zk_connect_timeout")),
+    ("security", ("tls_cert", "tls_key", "tls_client_ca", "audit_log", "audit_queue")),
+    ("limits", ("max_connections", "max_frame_size", "max_agents")),
+    ("observability", ("metrics_host", "metrics_port", "log_level")),
+)  # fmt: skip
+"""The ``--help`` sections, each naming its options in the order shown."""
+
+_BY_NAME = {option.name: option for option in OPTIONS}
+_DEFAULTS = ServerSettings()
+assert set(_BY_NAME) == {f.name for f in fields(ServerSettings)}, "OPTIONS, ServerSettings differ"
+assert sorted(n for _, names in GROUPS for n in names) == sorted(_BY_NAME), "GROUPS, OPTIONS differ"
+
+
+def build_parser(prog: str = "snowflake-server") -> argparse.ArgumentParser:
+    """The ``snowflake-server`` argument parser; every flag also has an environment variable."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve unique, time-ordered 64-bit ids over Thrift (Twitter Snowflake "
+        "compatible). Precedence: flag, environment, config file, default.",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"TOML file of settings, keys as the flags without '--' (env {ENV_PREFIX}CONFIG)",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    for title, names in GROUPS:
+        group = parser.add_argument_group(title)
+        for name in names:
+            option = _BY_NAME[name]
+            default = getattr(_DEFAULTS, option.name)
+            shown = f"; default {default}" if default != "" else ""
+            help_text = f"{option.help} (env {option.env}{shown})"
+            if option.is_switch:
+                group.add_argument(
+                    option.flag, dest=option.name, action="store_const", const="true",
+                    help=help_text,
+                )  # fmt: skip
+            else:
+                group.add_argument(
+                    option.flag, dest=option.name, metavar=option.metavar, help=help_text
+                )
+    return parser
+
+
+def _convert(option: Option, value: object, source: str) -> Any:
+    try:
+        if isinstance(value, str):
+            return option.parse(value)
+        kind = type(getattr(_DEFAULTS, option.name))
+        if kind is bool and isinstance(value, bool):
+            return value
+        # TOML values come typed: accept an int where a float is due, nothing looser.
+        if isinstance(value, bool) or not isinstance(value, (kind, int)):
+            raise ValueError(f"must be {_KIND_NAMES[kind]}")
+        return option.parse(str(value))
+    except ValueError as e:
+        raise ConfigurationError(f"{source}: invalid value {value!r}: {e}") from None
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _read_file(path: str) -> dict[str, object]:
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigurationError(f"config file {path}: cannot read: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigurationError(f"config file {path}: not valid TOML: {e}") from None
+    out: dict[str, object] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in _BY_NAME:
+            raise ConfigurationError(f"config file {path}: unknown setting {key!r}")
+        out[name] = value
+    return out
+
+
+def load_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> ServerSettings:
+    """Build the settings from ``argv`` (flags), ``environ`` and the config file.
+
+    Raises ``ConfigurationError`` naming the flag, variable or file key at fault;
+    argparse exits for ``--help`` and for unknown flags.
+    """
+    environ = {} if environ is None else environ
+    args = build_parser().parse_args(argv)
+    config_path = args.config or environ.get(ENV_PREFIX + "CONFIG")
+    from_file = _read_file(config_path) if config_path else {}
+    values: dict[str, Any] = {}
+    origin: dict[str, tuple[str, object]] = {}  # name -> (where it was set, its raw value)
+    for option in OPTIONS:
+        flag_value = getattr(args, option.name)
+        if flag_value is not None:
+            origin[option.name] = (option.flag, flag_value)
+        elif option.env in environ:
+            origin[option.name] = (option.env, environ[option.env])
+        elif option.name in from_file:
+            origin[option.name] = (
+                f"config file {config_path}: {option.name}",
+                from_file[option.name],
+            )
+        else:
+            continue
+        where, raw = origin[option.name]
+        values[option.name] = _convert(option, raw, where)
+    if not values.get("state_dir"):
+        values["state_dir"] = str(default_state_dir(environ))
+    try:
+        return ServerSettings(**values)
+    except ConfigurationError as e:
+        # Settings name their fields; say where the values at fault were set.
+        named = [o for o in OPTIONS if re.search(rf"\b{o.name}(_ms)?\b", str(e))]
+        given = [o for o in named if o.name in origin]
+        if len(named) == 1 and given:
+            where, raw = origin[given[0].name]
+            raise ConfigurationError(f"{where}: invalid value {raw!r}: {e}") from None
+        where = "; ".join(origin[o.name][0] if o.name in origin else o.flag for o in named)
+        raise ConfigurationError(f"{e} (set by {where})" if where else str(e)) from None

@@ -1,0 +1,295 @@
+"""Server settings: valid by construction, and handed down as narrow views.
+
+:class:`ServerSettings` checks every value in ``__post_init__``, so no layer
+ever holds settings that cannot work (``dataclasses.replace`` checks again).
+Each layer receives only its part: :attr:`ServerSettings.ids` (the
+generator), :attr:`~ServerSettings.worker` (state file and start-up wait),
+:attr:`~ServerSettings.cluster` (ZooKeeper), :attr:`~ServerSettings.thrift`
+(the Thrift server), :attr:`~ServerSettings.admin` (metrics and health) and
+:attr:`~ServerSettings.audit`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from snowflake_thrift_client import TWITTER_EPOCH_MS, Layout
+
+from .._errors import ConfigurationError
+from .._ids.generator import GeneratorSettings
+
+__all__ = [
+    "AUTO_WORKER_ID",
+    "AdminSettings",
+    "AuditSettings",
+    "ClusterSettings",
+    "ServerSettings",
+    "ThriftSettings",
+    "WorkerSettings",
+    "layout_from",
+]
+
+AUTO_WORKER_ID = -1
+"""``--worker-id auto``: lease the lowest free worker id from ZooKeeper."""
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+Transport = Literal["framed", "buffered"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """What opening a worker needs: its ids, its state directory, the start-up wait."""
+
+    datacenter_id: int
+    layout: Layout
+    max_backwards_ms: int
+    sequence_start: Literal["zero", "random"]
+    state_dir: str
+    max_startup_wait: float
+    discard_corrupt_state: bool
+
+    def generator(self, worker_id: int) -> GeneratorSettings:
+        """The generator's settings for ``worker_id`` (checked against the layout)."""
+        return GeneratorSettings(
+            datacenter_id=self.datacenter_id,
+            worker_id=worker_id,
+            layout=self.layout,
+            max_backwards_ms=self.max_backwards_ms,
+            sequence_start=self.sequence_start,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    """What cluster mode needs: where ZooKeeper is, which id to take, how to check peers."""
+
+    zookeeper: str
+    zk_path: str
+    datacenter_id: int
+    worker_id: int  # AUTO_WORKER_ID: lease the lowest free one
+    max_worker_id: int
+    transport: Transport
+    host: str
+    advertise_host: str
+    advertise_port: int
+    max_peer_skew: float
+    skip_sanity_checks: bool
+    zk_session_timeout: float
+    zk_connect_timeout: float
+
+    @property
+    def auto_worker_id(self) -> bool:
+        return self.worker_id == AUTO_WORKER_ID
+
+
+@dataclass(frozen=True, slots=True)
+class ThriftSettings:
+    """What the Thrift server needs."""
+
+    host: str
+    port: int
+    transport: Transport
+    idle_timeout: float
+    max_connections: int
+    max_frame_size: int
+    reuse_port: bool
+    tls_cert: str
+    tls_key: str
+    tls_client_ca: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdminSettings:
+    """What the metrics and health endpoint needs."""
+
+    host: str
+    port: int
+    max_agents: int
+
+
+@dataclass(frozen=True, slots=True)
+class AuditSettings:
+    """Where the audit trail goes (``path`` empty: off)."""
+
+    path: str
+    queue: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Everything a server process needs to start, checked when it is made.
+
+    Raises ``ConfigurationError`` naming the field at fault; ``load_settings``
+    turns field names into the flags and variables that set them.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 7609
+    transport: Transport = "framed"
+    idle_timeout: float = 600.0
+    datacenter_id: int = 0
+    worker_id: int = 0
+    epoch: int = TWITTER_EPOCH_MS
+    timestamp_bits: int = 41
+    datacenter_id_bits: int = 5
+    worker_id_bits: int = 5
+    sequence_bits: int = 12
+    max_backwards_ms: int = 5
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9990
+    max_agents: int = 100
+    log_level: str = "info"
+    state_dir: str = ""
+    max_startup_wait: float = 10.0
+    sequence_start: Literal["zero", "random"] = "zero"
+    discard_corrupt_state: bool = False
+    zookeeper: str = ""
+    zk_path: str = "/snowflake-servers"
+    advertise_host: str = ""
+    advertise_port: int = 0
+    max_peer_skew: float = 10.0
+    skip_sanity_checks: bool = False
+    zk_session_timeout: float = 10.0
+    zk_connect_timeout: float = 10.0
+    max_connections: int = 1000
+    max_frame_size: int = 64 * 1024
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    audit_log: str = ""
+    audit_queue: int = 100_000
+    processes: int = 1
+    reuse_port: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port", "advertise_port"):
+            _within(name, getattr(self, name), 0, 65535)
+        for name in ("max_connections", "max_frame_size", "audit_queue", "processes"):
+            _within(name, getattr(self, name), 1, None)
+        for name in ("max_agents", "max_backwards_ms"):
+            _within(name, getattr(self, name), 0, None)
+        for name in ("max_peer_skew", "zk_session_timeout", "zk_connect_timeout"):
+            _seconds(name, getattr(self, name), positive=True)
+        for name in ("idle_timeout", "max_startup_wait"):
+            _seconds(name, getattr(self, name), positive=False)
+        _one_of("transport", self.transport, ("framed", "buffered"))
+        _one_of("sequence_start", self.sequence_start, ("zero", "random"))
+        _one_of("log_level", self.log_level, LOG_LEVELS)
+        path = self.zk_path
+        if not path.startswith("/") or path.endswith("/") or "//" in path:
+            raise ConfigurationError(
+                f"zk_path must be an absolute ZooKeeper path like /snowflake-servers, got {path!r}"
+            )
+        if (self.tls_key or self.tls_client_ca) and not self.tls_cert:
+            raise ConfigurationError("tls_key and tls_client_ca need tls_cert")
+        if self.worker_id == AUTO_WORKER_ID and not self.zookeeper:
+            raise ConfigurationError("worker_id auto leases ids from ZooKeeper: give zookeeper")
+        # The layout, and the ids in it (a leased id is checked when it is leased).
+        self.worker.generator(0 if self.worker_id == AUTO_WORKER_ID else self.worker_id)
+
+    @property
+    def auto_worker_id(self) -> bool:
+        return self.worker_id == AUTO_WORKER_ID
+
+    @property
+    def layout(self) -> Layout:
+        return layout_from(self)
+
+    @property
+    def worker(self) -> WorkerSettings:
+        return WorkerSettings(
+            datacenter_id=self.datacenter_id,
+            layout=self.layout,
+            max_backwards_ms=self.max_backwards_ms,
+            sequence_start=self.sequence_start,
+            state_dir=self.state_dir,
+            max_startup_wait=self.max_startup_wait,
+            discard_corrupt_state=self.discard_corrupt_state,
+        )
+
+    @property
+    def ids(self) -> GeneratorSettings:
+        """The generator's settings for the configured worker id (0 with ``auto``,
+        until one is leased)."""
+        return self.worker.generator(0 if self.auto_worker_id else self.worker_id)
+
+    @property
+    def cluster(self) -> ClusterSettings:
+        return ClusterSettings(
+            zookeeper=self.zookeeper,
+            zk_path=self.zk_path,
+            datacenter_id=self.datacenter_id,
+            worker_id=self.worker_id,
+            max_worker_id=self.layout.max_worker_id,
+            transport=self.transport,
+            host=self.host,
+            advertise_host=self.advertise_host,
+            advertise_port=self.advertise_port,
+            max_peer_skew=self.max_peer_skew,
+            skip_sanity_checks=self.skip_sanity_checks,
+            zk_session_timeout=self.zk_session_timeout,
+            zk_connect_timeout=self.zk_connect_timeout,
+        )
+
+    @property
+    def thrift(self) -> ThriftSettings:
+        return ThriftSettings(
+            host=self.host,
+            port=self.port,
+            transport=self.transport,
+            idle_timeout=self.idle_timeout,
+            max_connections=self.max_connections,
+            max_frame_size=self.max_frame_size,
+            reuse_port=self.reuse_port,
+            tls_cert=self.tls_cert,
+            tls_key=self.tls_key,
+            tls_client_ca=self.tls_client_ca,
+        )
+
+    @property
+    def admin(self) -> AdminSettings:
+        return AdminSettings(self.metrics_host, self.metrics_port, self.max_agents)
+
+    @property
+    def audit(self) -> AuditSettings:
+        return AuditSettings(self.audit_log, self.audit_queue)
+
+
+def layout_from(values: Any) -> Layout:
+    """The :class:`Layout` named by the layout options' attributes of ``values``
+    (settings, or parsed ``snowflake decode`` arguments)."""
+    return Layout(
+        epoch_ms=values.epoch,
+        timestamp_bits=values.timestamp_bits,
+        datacenter_id_bits=values.datacenter_id_bits,
+        worker_id_bits=values.worker_id_bits,
+        sequence_bits=values.sequence_bits,
+    )
+
+
+def _within(name: str, value: object, low: int, high: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        rule = {0: "must not be negative", 1: "must be positive"}.get(low, f"must be >= {low}")
+        rule = f"must be in {low}..{high}" if high is not None else rule
+        raise ConfigurationError(f"{name} {rule}, got {value}")
+
+
+def _seconds(name: str, value: object, *, positive: bool) -> None:
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value < 0
+        or (positive and value == 0)
+    ):
+        rule = "must be positive" if positive else "must not be negative"
+        raise ConfigurationError(f"{name} {rule} (a number of seconds), got {value!r}")
+
+
+def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigurationError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")

@@ -1,0 +1,59 @@
+"""The server's errors, under the one root the client package defines.
+
+::
+
+    SnowflakeError                          (snowflake_thrift_client)
+    ├── ConfigurationError                  bad settings, found at start-up (also a ValueError)
+    ├── StartupRefused                      starting now could repeat ids: state file, clock
+    ├── TimestampOverflowError              the layout's timestamp bits ran out
+    └── RequestError                        a request that cannot be served; declared in the IDL
+        ├── ClockMovedBackwardsError        -> InvalidSystemClock
+        ├── InvalidUserAgentError           -> InvalidUserAgentError
+        ├── InvalidCountError               -> InvalidCountError
+        └── UnavailableError                -> UnavailableError: not serving now, try another node
+            └── ReservationError            no high-water mark on disk covers the next id
+
+The Thrift handler maps each ``RequestError`` onto the IDL exception named on
+its right; anything else that escapes a call, ``TimestampOverflowError``
+included, reaches the client as a Thrift application error (INTERNAL_ERROR),
+never as a dropped connection.
+"""
+
+from __future__ import annotations
+
+from snowflake_thrift_client import (
+    ClockMovedBackwardsError,
+    ConfigurationError,
+    InvalidCountError,
+    InvalidUserAgentError,
+    RequestError,
+    SnowflakeError,
+    UnavailableError,
+)
+
+__all__ = [
+    "ClockMovedBackwardsError",
+    "ConfigurationError",
+    "InvalidCountError",
+    "InvalidUserAgentError",
+    "RequestError",
+    "ReservationError",
+    "SnowflakeError",
+    "StartupRefused",
+    "TimestampOverflowError",
+    "UnavailableError",
+]
+
+
+class StartupRefused(SnowflakeError):
+    """Starting now could hand out ids already issued: the message says why and
+    what the operator can do (fix the clock, wait, repair the state file)."""
+
+
+class TimestampOverflowError(SnowflakeError):
+    """The clock has run past the last ms the layout's timestamp bits can hold."""
+
+
+class ReservationError(UnavailableError):
+    """The high-water mark could not be moved past the next id's time, or the
+    generator was shut down."""

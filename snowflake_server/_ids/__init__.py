@@ -1,0 +1,1 @@
+"""Making ids: the pure generator and the clocks it is given."""

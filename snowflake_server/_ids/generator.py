@@ -1,0 +1,313 @@
+"""The id generator: pure logic, no I/O.
+
+Time is an input: an ``IdGenerator`` reads the time only through the ``clock``
+it is given (ms since the Unix epoch) and waits only through the ``sleep`` it
+is given, so tests drive it with a fake clock and servers with the real one.
+How ids are packed is the client package's :class:`Layout`.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Literal, Protocol
+
+from snowflake_thrift_client import Layout
+from snowflake_thrift_client._layout import check_int
+
+from .._errors import (
+    ClockMovedBackwardsError,
+    ConfigurationError,
+    InvalidCountError,
+    ReservationError,
+    TimestampOverflowError,
+)
+from .clocks import pause, wall_clock_ms
+
+__all__ = ["GeneratorCounters", "GeneratorSettings", "IdGenerator", "IdSource"]
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorSettings:
+    """Who this generator is and how it treats a clock that steps back.
+
+    ``max_backwards_ms``: a backwards step of at most this many ms is waited
+    out; a larger one makes ``next_id`` raise ``ClockMovedBackwardsError``.
+    0 is Twitter's strict behaviour (never wait).
+
+    ``sequence_start``: ``"zero"`` starts each ms at sequence 0 (Twitter);
+    ``"random"`` at a small random offset (Leaf), so that at low traffic the
+    low digits of ids (``id % 100``) are spread evenly instead of all alike.
+    """
+
+    datacenter_id: int = 0
+    worker_id: int = 0
+    layout: Layout = field(default_factory=Layout)
+    max_backwards_ms: int = 5
+    sequence_start: Literal["zero", "random"] = "zero"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, Layout):
+            raise ConfigurationError(f"layout must be a Layout, got {self.layout!r}")
+        self.layout.node_bits(self.datacenter_id, self.worker_id)
+        check_int("max_backwards_ms", self.max_backwards_ms, 0, 60_000)
+        if self.sequence_start not in ("zero", "random"):
+            raise ConfigurationError(
+                f"sequence_start must be 'zero' or 'random', got {self.sequence_start!r}"
+            )
+
+    @property
+    def random_start_bound(self) -> int:
+        """With ``sequence_start="random"``, each ms starts at a sequence below this
+        (100, as Leaf; less for a narrow sequence field, so half of it stays usable)."""
+        return min(100, (self.layout.max_sequence + 1) // 2) or 1
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorCounters:
+    """What a generator (or every generator a slot has held) counted so far."""
+
+    ids_generated: int = 0
+    clock_backwards_waited: int = 0
+    clock_backwards_refused: int = 0
+    sequence_exhausted_waits: int = 0
+    reservation_stalls: int = 0
+
+    def __add__(self, other: GeneratorCounters) -> GeneratorCounters:
+        return GeneratorCounters(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in fields(self))
+        )
+
+
+class IdSource(Protocol):
+    """What the Thrift handler and the metrics need: an ``IdGenerator``, or a slot
+    whose generator changes (cluster mode re-leases worker ids)."""
+
+    @property
+    def settings(self) -> GeneratorSettings: ...
+
+    def next_id(self) -> int: ...
+
+    def next_ids(self, count: int) -> list[int]: ...
+
+    def counters(self) -> GeneratorCounters: ...
+
+
+# How long to yield while waiting for the next ms after the sequence ran out:
+# short, because the wait ends within one ms and throughput is lost meanwhile.
+_EXHAUSTED_POLL_S = 0.00005
+
+
+class IdGenerator:
+    """Thread-safe source of unique, increasing ids for one (datacenter, worker).
+
+    Within one generator no id is ever repeated and every id is greater than
+    the one before it, whatever the clock does: a backwards step of at most
+    ``settings.max_backwards_ms`` is waited out, a larger one raises
+    ``ClockMovedBackwardsError`` before any state is touched.
+
+    ``resume_after_ms``: only timestamps after this one are used (a restart
+    passes the high-water mark of the previous run). ``ceiling_ms`` and
+    ``reserve``: ids are never stamped after ``ceiling_ms``; a new ms past it
+    first calls ``reserve(ms)``, which must persist and return a new ceiling
+    of at least ``ms`` (or raise). Without them the only ceiling is the layout's.
+
+    Its counters are updated under the generator's lock; :meth:`counters`
+    reads them at any time.
+    """
+
+    def __init__(
+        self,
+        settings: GeneratorSettings,
+        *,
+        clock: Callable[[], int] = wall_clock_ms,
+        sleep: Callable[[float], object] = pause,
+        randbelow: Callable[[int], int] = random.randrange,
+        resume_after_ms: int = -1,
+        ceiling_ms: int | None = None,
+        reserve: Callable[[int], int] | None = None,
+    ) -> None:
+        layout = settings.layout
+        now = clock()
+        if now < layout.epoch_ms:
+            raise ConfigurationError(
+                f"epoch {layout.epoch_ms} is {layout.epoch_ms - now} ms in the future"
+            )
+        if now > layout.max_timestamp_ms:
+            raise ConfigurationError(
+                f"the layout's {layout.timestamp_bits} timestamp bits ran out at "
+                f"{layout.max_timestamp_ms} ms; use a later epoch or more timestamp bits"
+            )
+        self.settings = settings
+        self._clock = clock
+        self._sleep = sleep
+        self._randbelow = randbelow
+        self._lock = threading.Lock()
+        self._acquire = self._lock.acquire
+        self._release = self._lock.release
+        # Hot-path constants, read once instead of through properties per id.
+        self._epoch = layout.epoch_ms
+        self._ts_shift = layout.timestamp_shift
+        self._node = layout.node_bits(settings.datacenter_id, settings.worker_id)
+        self._max_sequence = layout.max_sequence
+        self._max_ts = layout.max_timestamp_ms
+        self._tolerance = settings.max_backwards_ms
+        self._random_start = (
+            settings.random_start_bound if settings.sequence_start == "random" else 0
+        )
+        self._reserve = reserve
+        # One comparison per new ms checks both the reservation and the layout's end.
+        self._ceiling = self._max_ts if ceiling_ms is None else min(ceiling_ms, self._max_ts)
+        # The resume point counts as used up: the next id is stamped after it.
+        self._last_ts = resume_after_ms
+        self._sequence = self._max_sequence
+        self._base = 0  # the id bits of the current ms; set with each new ms
+        # The hot path reads nanoseconds: the default clock is then time.time_ns itself,
+        # a builtin, with no Python call in between.
+        self._clock_ns: Callable[[], int] = (
+            time.time_ns if clock is wall_clock_ms else (lambda: clock() * 1_000_000)
+        )
+        # ids_generated is derived, not counted per id: the ids of finished ms plus
+        # the span of the current ms (sequences _first_sequence.._sequence).
+        self._ids_before_this_ms = 0
+        self._first_sequence = self._max_sequence + 1  # no id in the resume ms
+        self.clock_backwards_waited = 0
+        self.clock_backwards_refused = 0
+        self.sequence_exhausted_waits = 0
+        self.reservation_stalls = 0
+
+    @property
+    def ceiling_ms(self) -> int:
+        """No id is stamped after this ms until the ceiling is raised."""
+        return self._ceiling
+
+    def raise_ceiling(self, ceiling_ms: int) -> None:
+        """Allow ids up to ``ceiling_ms`` (already persisted by the caller). Never lowers."""
+        with self._lock:
+            if self._reserve is not None and ceiling_ms > self._ceiling:
+                self._ceiling = min(ceiling_ms, self._max_ts)
+
+    def seal(self) -> int:
+        """Stop issuing ids for good; return the newest timestamp used.
+
+        Afterwards every call raises ``ReservationError``, so the returned
+        timestamp is final and may be written down as the high-water mark.
+        """
+        with self._lock:
+            self._reserve = None
+            self._ceiling = self._last_ts
+            # Close the current ms too, keeping the derived id count exact.
+            self._ids_before_this_ms += self._sequence - self._first_sequence + 1
+            self._first_sequence = self._max_sequence + 1
+            self._sequence = self._max_sequence
+            return self._last_ts
+
+    def next_id(self) -> int:
+        """One new id. Raises ``ClockMovedBackwardsError`` or ``TimestampOverflowError``."""
+        # Bound acquire/release in try/finally: measurably cheaper than `with` per id.
+        self._acquire()
+        try:
+            # The common case inline: same ms, sequence left. Everything else,
+            # the clock checks first of all, is in _advance.
+            now = self._clock_ns() // 1_000_000
+            sequence = self._sequence + 1
+            if now == self._last_ts and sequence <= self._max_sequence:
+                self._sequence = sequence
+            else:
+                self._advance(now)
+                sequence = self._sequence
+            return self._base | sequence
+        finally:
+            self._release()
+
+    def next_ids(self, count: int) -> list[int]:
+        """``count`` new ids (1 up to one ms worth, 4,096 by default), increasing.
+
+        Raises ``InvalidCountError`` for a count out of range, else as ``next_id``.
+        The batch is all or nothing: an error leaves no id of it issued.
+        """
+        if type(count) is not int or not 1 <= count <= self._max_sequence + 1:
+            raise InvalidCountError(
+                f"count must be an integer in 1..{self._max_sequence + 1}, got {count!r}"
+            )
+        ids: list[int] = []
+        with self._lock:
+            try:
+                while len(ids) < count:
+                    self._advance(self._clock())
+                    first = self._sequence
+                    last = min(first + count - len(ids), self._max_sequence + 1) - 1
+                    # Ids of one ms differ only in the sequence field: a contiguous range.
+                    base = self._base
+                    ids.extend(range(base + first, base + last + 1))
+                    self._sequence = last
+            except BaseException:
+                self._ids_before_this_ms -= len(ids)  # claimed but never handed out
+                raise
+        return ids
+
+    def counters(self) -> GeneratorCounters:
+        """What this generator counted so far (exact: read under the lock)."""
+        with self._lock:
+            return GeneratorCounters(
+                ids_generated=self._ids_before_this_ms + self._sequence - self._first_sequence + 1,
+                clock_backwards_waited=self.clock_backwards_waited,
+                clock_backwards_refused=self.clock_backwards_refused,
+                sequence_exhausted_waits=self.sequence_exhausted_waits,
+                reservation_stalls=self.reservation_stalls,
+            )
+
+    def _advance(self, now: int) -> None:
+        """Claim the next free (timestamp, sequence) slot, ``now`` being the clock's
+        reading. The claimed sequence is left in ``self._sequence`` and the id bits of
+        its ms in ``self._base``. Caller holds the lock. The backwards check comes
+        before the sequence is touched (Twitter #6).
+        """
+        last = self._last_ts
+        waited_back = waited_full = False
+        while True:
+            if now > last:
+                if now > self._ceiling:
+                    self._pass_ceiling(now)
+                self._ids_before_this_ms += self._sequence - self._first_sequence + 1
+                self._last_ts = now
+                self._base = ((now - self._epoch) << self._ts_shift) | self._node
+                self._first_sequence = self._sequence = (
+                    self._randbelow(self._random_start) if self._random_start else 0
+                )
+                return
+            elif now == last:
+                if self._sequence < self._max_sequence:
+                    self._sequence += 1
+                    return
+                if not waited_full:
+                    waited_full = True
+                    self.sequence_exhausted_waits += 1
+                self._sleep(_EXHAUSTED_POLL_S)
+            else:
+                behind = last - now
+                if behind > self._tolerance:
+                    self.clock_backwards_refused += 1
+                    raise ClockMovedBackwardsError(behind)
+                if not waited_back:
+                    waited_back = True
+                    self.clock_backwards_waited += 1
+                self._sleep(behind / 1000)
+            now = self._clock()
+
+    def _pass_ceiling(self, now: int) -> None:
+        if now > self._max_ts:
+            raise TimestampOverflowError(
+                f"the layout's timestamp bits ran out at {self._max_ts} ms"
+            )
+        if self._reserve is None:
+            raise ReservationError("the generator is shut down: no more ids")
+        # The background renewal fell behind: renew now, on this id's time.
+        self.reservation_stalls += 1
+        ceiling = self._reserve(now)
+        if ceiling < now:
+            raise ReservationError(f"reserve({now}) returned {ceiling}, before the ms asked for")
+        self._ceiling = min(ceiling, self._max_ts)

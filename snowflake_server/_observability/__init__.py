@@ -1,0 +1,1 @@
+"""What operators see: metrics, the admin endpoint (/metrics, /health), the audit trail."""

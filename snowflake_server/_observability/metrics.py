@@ -1,0 +1,253 @@
+"""Prometheus metrics of a server, counted cheaply and read at scrape time.
+
+The hot path does not call prometheus-client: each connection thread counts
+into its own :class:`ConnectionStats` (plain integers written by that thread
+only, so no increment is ever lost and no lock is taken per call), the
+generator counts under its own lock, and :class:`ServiceMetrics` adds them all
+up when Prometheus scrapes. Every metric is listed in ``docs/metrics.md`` (a test
+checks that the two agree).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterable, Sequence
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from .._ids.generator import IdSource
+
+__all__ = [
+    "EXCEPTION_KINDS",
+    "LATENCY_BUCKETS_S",
+    "OVERFLOW_AGENT",
+    "ConnectionStats",
+    "ServiceMetrics",
+]
+
+# Calls take tens of microseconds: prometheus-client's default buckets start at 5 ms.
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.000025, 0.00005, 0.0001, 0.00025, 0.0005,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0,
+)  # fmt: skip
+
+EXCEPTION_KINDS: tuple[str, ...] = (
+    "invalid_system_clock",
+    "invalid_user_agent",
+    "invalid_count",
+    "unavailable",
+    "unknown_method",
+    "protocol_error",
+    "frame_too_large",
+    "tls_error",
+    "internal_error",
+)
+
+OVERFLOW_AGENT = "__overflow__"
+"""The ``agent`` label of ids for agents past the bound; no valid agent starts with '_'."""
+
+
+class _Latency:
+    """A histogram's raw counts: one slot per bucket plus +Inf, and the sum."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self.total = 0.0
+
+    def add(self, other: _Latency) -> None:
+        for i, n in enumerate(other.counts):
+            self.counts[i] += n
+        self.total += other.total
+
+
+class ConnectionStats:
+    """What one connection did. Written by its own thread only; read by scrapes."""
+
+    __slots__ = ("agent_ids", "exceptions", "latency")
+
+    def __init__(self) -> None:
+        self.agent_ids: dict[str, int] = {}
+        self.exceptions: dict[str, int] = {}
+        self.latency: dict[str, _Latency] = {}
+
+    def count_ids(self, agent_label: str, n: int) -> None:
+        ids = self.agent_ids
+        ids[agent_label] = ids.get(agent_label, 0) + n
+
+    def count_exception(self, kind: str) -> None:
+        self.exceptions[kind] = self.exceptions.get(kind, 0) + 1
+
+    def observe(self, method: str, seconds: float) -> None:
+        hist = self.latency.get(method)
+        if hist is None:
+            hist = self.latency[method] = _Latency()
+        hist.counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        hist.total += seconds
+
+    def add(self, other: ConnectionStats) -> None:
+        # dict(...) copies atomically under the GIL while the owner may insert keys.
+        for agent, n in dict(other.agent_ids).items():
+            self.agent_ids[agent] = self.agent_ids.get(agent, 0) + n
+        for kind, n in dict(other.exceptions).items():
+            self.exceptions[kind] = self.exceptions.get(kind, 0) + n
+        for method, hist in dict(other.latency).items():
+            self.latency.setdefault(method, _Latency()).add(hist)
+
+
+class ServiceMetrics(Collector):
+    """The metrics of one server process, as a prometheus-client collector.
+
+    ``methods`` are the Thrift methods whose latency is reported (each gets a
+    histogram from the start, so dashboards see zeros rather than gaps).
+    At most ``max_agents`` distinct user agents get a label of their own; ids
+    for any further agent are counted under ``OVERFLOW_AGENT``.
+    """
+
+    def __init__(
+        self,
+        generator: IdSource,
+        methods: Sequence[str],
+        *,
+        max_agents: int = 100,
+    ) -> None:
+        self._generator = generator
+        self._methods = tuple(methods)
+        self._max_agents = max_agents
+        self._agents: set[str] = set()
+        self._lock = threading.Lock()
+        self._live: set[ConnectionStats] = set()
+        self._closed = ConnectionStats()
+        self.connections_accepted = 0
+        self.connections_rejected = 0  # written by the accept loop only
+
+    def registry(self, *others: Collector) -> CollectorRegistry:
+        """A fresh registry holding this collector and ``others`` (never the global one)."""
+        registry = CollectorRegistry(auto_describe=False)
+        for collector in (self, *others):
+            registry.register(collector)
+        return registry
+
+    def agent_label(self, agent: str) -> str:
+        """The label value under which ids for ``agent`` are counted."""
+        if agent in self._agents:
+            return agent
+        with self._lock:
+            if len(self._agents) < self._max_agents:
+                self._agents.add(agent)
+                return agent
+        return OVERFLOW_AGENT
+
+    def open_connection(self) -> ConnectionStats:
+        stats = ConnectionStats()
+        with self._lock:
+            self._live.add(stats)
+            self.connections_accepted += 1
+        return stats
+
+    def close_connection(self, stats: ConnectionStats) -> None:
+        with self._lock:
+            self._live.discard(stats)
+            self._closed.add(stats)
+
+    def totals(self) -> ConnectionStats:
+        """Everything counted so far by every connection, open or closed."""
+        total = ConnectionStats()
+        with self._lock:
+            total.add(self._closed)
+            for stats in self._live:
+                total.add(stats)
+        return total
+
+    @property
+    def connections_open(self) -> int:
+        return len(self._live)
+
+    def collect(self) -> Iterable[Metric]:
+        gen = self._generator
+        counts = gen.counters()
+        total = self.totals()
+        yield _counter("ids_generated", "Ids handed out.", counts.ids_generated)
+        by_agent = CounterMetricFamily(
+            "snowflake_ids_by_agent",
+            f"Ids handed out, by user agent (the first {self._max_agents} agents seen; "
+            f"later ones as {OVERFLOW_AGENT}).",
+            labels=["agent"],
+        )
+        for agent, n in sorted(total.agent_ids.items()):
+            by_agent.add_metric([agent], n)
+        yield by_agent
+        exceptions = CounterMetricFamily(
+            "snowflake_exceptions", "Calls that failed, by kind.", labels=["kind"]
+        )
+        for kind in EXCEPTION_KINDS:
+            exceptions.add_metric([kind], total.exceptions.get(kind, 0))
+        yield exceptions
+        yield self._latency(total)
+        backwards = CounterMetricFamily(
+            "snowflake_clock_backwards",
+            "Times the clock was found behind the newest id: waited out, or refused "
+            "with InvalidSystemClock.",
+            labels=["action"],
+        )
+        backwards.add_metric(["waited"], counts.clock_backwards_waited)
+        backwards.add_metric(["refused"], counts.clock_backwards_refused)
+        yield backwards
+        yield _counter(
+            "sequence_exhausted_waits",
+            "Times all sequence numbers of a ms were used and generation waited for the next ms.",
+            counts.sequence_exhausted_waits,
+        )
+        yield _counter(
+            "reservation_stalls",
+            "Times an id waited for the high-water mark to be written because the "
+            "background renewal had fallen behind.",
+            counts.reservation_stalls,
+        )
+        yield _counter(
+            "connections_accepted", "Client connections accepted.", self.connections_accepted
+        )
+        yield _counter(
+            "connections_rejected",
+            "Client connections closed at once because --max-connections were open.",
+            self.connections_rejected,
+        )
+        yield _gauge("connections_open", "Client connections open now.", self.connections_open)
+        yield _gauge("worker_id", "This server's worker id.", gen.settings.worker_id)
+        yield _gauge("datacenter_id", "This server's datacenter id.", gen.settings.datacenter_id)
+
+    def _latency(self, total: ConnectionStats) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(
+            "snowflake_request_duration_seconds",
+            "Time to serve a call, from its request read to its reply ready to send, by method.",
+            labels=["method"],
+        )
+        for method in self._methods:
+            hist = total.latency.get(method, _Latency())
+            family.add_metric([method], _cumulative(hist.counts), hist.total)
+        return family
+
+
+def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
+    out: list[tuple[str, float]] = []
+    running = 0
+    for bound, n in zip([*map(str, LATENCY_BUCKETS_S), "+Inf"], counts, strict=True):
+        running += n
+        out.append((bound, running))
+    return out
+
+
+def _counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+    return CounterMetricFamily(f"snowflake_{name}", doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: int) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"snowflake_{name}", doc, value=value)

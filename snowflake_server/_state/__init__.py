@@ -1,0 +1,1 @@
+"""Never repeating an id across restarts: the state file, the reservation, the worker."""

@@ -1,0 +1,141 @@
+"""The state file: the high-water mark of one (datacenter, worker) on this host.
+
+The file holds a timestamp that no id issued by that worker here can exceed.
+Writes are atomic (write a temporary file, fsync it, rename it over the old
+one, fsync the directory), so a crash at any instant leaves either the old
+mark or the new one, never a torn file. While a server runs it holds an
+exclusive lock beside the file, so a second server with the same worker id on
+the same host refuses to start instead of handing out the same ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .._errors import StartupRefused
+from .reservation import MarkStore
+
+__all__ = ["STATE_FORMAT", "StateFile", "default_state_dir"]
+
+STATE_FORMAT = 1
+
+
+def default_state_dir(environ: Mapping[str, str]) -> Path:
+    """``$XDG_STATE_HOME/snowflake``, else ``~/.local/state/snowflake``."""
+    base = environ.get("XDG_STATE_HOME") or str(Path(environ.get("HOME", "~")) / ".local/state")
+    return Path(base).expanduser() / "snowflake"
+
+
+class StateFile(MarkStore):
+    """The high-water mark file of one worker, locked for this process.
+
+    Open with :meth:`open`; :meth:`load` once; :meth:`advance` as the mark
+    moves ahead; :meth:`finish` at shutdown; :meth:`close` to release the lock.
+    """
+
+    name = "disk"
+
+    def __init__(self, path: Path, lock_fd: int, identity: dict[str, int]) -> None:
+        super().__init__(-1)
+        self.path = path
+        self._lock_fd = lock_fd
+        self._identity = identity
+
+    @classmethod
+    def open(cls, directory: Path, datacenter_id: int, worker_id: int) -> StateFile:
+        """Lock the state of ``(datacenter_id, worker_id)`` in ``directory``.
+
+        Raises ``StartupRefused`` if the directory cannot be used or another
+        process on this host holds the same worker.
+        """
+        name = f"worker-{datacenter_id}-{worker_id}"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            lock_fd = os.open(directory / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise StartupRefused(
+                f"cannot use state directory {directory}: {e.strerror}; "
+                "choose another with --state-dir"
+            ) from None
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(lock_fd)
+            raise StartupRefused(
+                f"another process on this host is serving datacenter {datacenter_id}, "
+                f"worker {worker_id} (it holds {directory / f'{name}.lock'}); two servers "
+                "with one worker id would hand out the same ids"
+            ) from None
+        identity = {"datacenter_id": datacenter_id, "worker_id": worker_id}
+        return cls(directory / f"{name}.json", lock_fd, identity)
+
+    def load(self, *, discard_corrupt: bool = False) -> int | None:
+        """The stored mark in ms since the Unix epoch, or None on a first start.
+
+        A file that cannot be read or understood raises ``StartupRefused``:
+        silently starting over could repeat ids. ``discard_corrupt`` treats
+        such a file as absent (it is overwritten by the first renewal).
+        """
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            return self._corrupt(f"cannot read it: {e}", discard_corrupt)
+        try:
+            data: Any = json.loads(text)
+            mark = data["high_water_mark_ms"]
+            owner = {k: data.get(k) for k in self._identity}
+            version = data.get("format")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return self._corrupt(f"not a state file ({type(e).__name__}: {e})", discard_corrupt)
+        if version != STATE_FORMAT:
+            return self._corrupt(f"unknown format {version!r}", discard_corrupt)
+        if owner != self._identity:
+            return self._corrupt(f"it belongs to another worker: {owner}", discard_corrupt)
+        if not isinstance(mark, int) or isinstance(mark, bool) or mark < 0:
+            return self._corrupt(f"bad high_water_mark_ms {mark!r}", discard_corrupt)
+        self._written = mark
+        return mark
+
+    def _corrupt(self, why: str, discard: bool) -> int | None:
+        """None (start as if first) if ``discard``; else refuse with what to do."""
+        if discard:
+            return None
+        raise StartupRefused(
+            f"state file {self.path} is unusable: {why}. It holds the newest timestamp this "
+            "worker may have used; starting without it could repeat ids. Restore it, or if "
+            "you are sure the clock is past every id this worker issued, start once with "
+            "--discard-corrupt-state"
+        )
+
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
+    def _store(self, mark_ms: int) -> None:
+        record = {"format": STATE_FORMAT, **self._identity, "high_water_mark_ms": mark_ms}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself must survive a crash
+        finally:
+            os.close(dir_fd)
+
+    def close(self) -> None:
+        """Release the lock: another process may take this worker now."""
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)

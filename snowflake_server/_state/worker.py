@@ -1,0 +1,187 @@
+"""One worker id served by this process, and the slot that holds it.
+
+A :class:`Worker` is everything that makes ids for one (datacenter, worker):
+the locked state file, the high-water marks (disk, and ZooKeeper in cluster
+mode), the start-up wait for the clock, the generator and its reservation.
+In cluster mode a :class:`WorkerSlot` holds the current worker and decides
+whether ids may be handed out at all; the worker in it changes when the node
+re-registers under another id.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from .._config.settings import WorkerSettings
+from .._errors import UnavailableError
+from .._ids.clocks import boot_clock, pause
+from .._ids.generator import GeneratorCounters, GeneratorSettings, IdGenerator
+from .reservation import RESERVE_AHEAD_MS, MarkStore, Reservation, wait_for_clock
+from .statefile import StateFile
+
+__all__ = ["CurrentReservation", "Worker", "WorkerSlot"]
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """Ids for one (datacenter, worker id): open with :meth:`open`, end with :meth:`close`."""
+
+    def __init__(
+        self, generator: IdGenerator, reservation: Reservation, state: StateFile, floor_ms: int
+    ) -> None:
+        self.generator = generator
+        self.reservation = reservation
+        self._state = state
+        self._floor = floor_ms
+
+    @property
+    def worker_id(self) -> int:
+        return self.generator.settings.worker_id
+
+    @classmethod
+    def open(
+        cls,
+        settings: WorkerSettings,
+        worker_id: int,
+        *,
+        clock: Callable[[], int],
+        sleep: Callable[[float], object] = pause,
+        remote: tuple[MarkStore, int] | None = None,
+    ) -> Worker:
+        """Lock the worker's state, honour its marks (waiting for the clock if it is
+        behind them, or raising ``StartupRefused``), reserve ahead and start renewing.
+
+        ``remote`` is a second mark store and its margin (ZooKeeper in cluster
+        mode): the mark of a worker id recycled from another host.
+        """
+        state = StateFile.open(Path(settings.state_dir), settings.datacenter_id, worker_id)
+        try:
+            marks = {state.where: state.load(discard_corrupt=settings.discard_corrupt_state)}
+            stores: list[tuple[MarkStore, int]] = [(state, RESERVE_AHEAD_MS)]
+            if remote is not None:
+                store, _ = remote
+                marks[store.where] = store.mark_ms if store.mark_ms >= 0 else None
+                stores.append(remote)
+            known = {where: mark for where, mark in marks.items() if mark is not None}
+            resume_after = max(known.values(), default=-1)
+            reservation = Reservation(stores, clock)
+            # Until the first reservation is stored the ceiling is the resume point:
+            # no id can be stamped with a time that is not reserved.
+            generator = IdGenerator(
+                settings.generator(worker_id),
+                clock=clock,
+                sleep=sleep,
+                resume_after_ms=resume_after,
+                ceiling_ms=resume_after,
+                reserve=reservation.reserve,
+            )
+            if not known:
+                log.info("no high-water mark for worker %d: its first start here", worker_id)
+            else:
+                source = max(known, key=lambda where: known[where])
+                reservation.startup_wait_s = wait_for_clock(
+                    resume_after, clock, sleep, settings.max_startup_wait, source
+                )
+            generator.raise_ceiling(reservation.reserve(clock()))
+            reservation.start(generator)
+        except BaseException:
+            state.close()
+            raise
+        return cls(generator, reservation, state, resume_after)
+
+    def close(self) -> None:
+        """Stop for good: seal the generator, store the exact last mark, unlock."""
+        try:
+            self.reservation.finish(self.generator, self._floor)
+        finally:
+            self._state.close()
+
+
+class WorkerSlot:
+    """The ids of whichever worker this node holds now, while it may serve.
+
+    Ids are handed out only until ``open_until`` (a deadline on ``clock``,
+    CLOCK_BOOTTIME by default, that the ZooKeeper heartbeat keeps pushing
+    ahead); past it, or with no worker installed, calls raise
+    ``UnavailableError`` so clients go to another node. Counters add up every
+    worker this process has held.
+    """
+
+    def __init__(
+        self, placeholder: GeneratorSettings, *, clock: Callable[[], float] = boot_clock
+    ) -> None:
+        self._placeholder = placeholder
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._worker: Worker | None = None
+        self._retired = GeneratorCounters()
+        self.open_until = float("-inf")
+        self.closed_reason = "not registered yet"
+
+    @property
+    def worker(self) -> Worker | None:
+        return self._worker
+
+    def install(self, worker: Worker) -> None:
+        with self._lock:
+            assert self._worker is None, "retire the old worker first"
+            self._worker = worker
+
+    def retire(self) -> Worker | None:
+        """Take the worker out (closing the slot); the caller closes it."""
+        with self._lock:
+            self.open_until = float("-inf")
+            worker, self._worker = self._worker, None
+            if worker is not None:
+                self._retired += worker.generator.counters()
+            return worker
+
+    def close(self, reason: str) -> None:
+        """Stop handing out ids at once; calls are told ``reason``."""
+        self.open_until = float("-inf")
+        self.closed_reason = reason
+
+    def _current(self) -> IdGenerator:
+        worker = self._worker
+        if worker is None or self._clock() > self.open_until:
+            raise UnavailableError(f"this node is not handing out ids: {self.closed_reason}")
+        return worker.generator
+
+    def next_id(self) -> int:
+        return self._current().next_id()
+
+    def next_ids(self, count: int) -> list[int]:
+        return self._current().next_ids(count)
+
+    @property
+    def serving(self) -> bool:
+        return self._worker is not None and self._clock() <= self.open_until
+
+    @property
+    def settings(self) -> GeneratorSettings:
+        worker = self._worker
+        return worker.generator.settings if worker is not None else self._placeholder
+
+    def counters(self) -> GeneratorCounters:
+        worker = self._worker
+        current = worker.generator.counters() if worker is not None else GeneratorCounters()
+        return self._retired + current
+
+
+class CurrentReservation(Collector):
+    """The reservation metrics of whichever worker the slot holds now."""
+
+    def __init__(self, slot: WorkerSlot) -> None:
+        self._slot = slot
+
+    def collect(self) -> Iterable[Metric]:
+        worker = self._slot.worker
+        if worker is not None:
+            yield from worker.reservation.collect()

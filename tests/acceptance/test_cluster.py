@@ -1,0 +1,472 @@
+"""Cluster mode against a real ZooKeeper, with real server processes.
+
+Every scenario runs under load from several clients and ends by counting
+duplicate ids across the whole cluster: always zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from snowflake_thrift_client import NoServerAvailableError, SnowflakePool, ZooKeeperDiscovery
+from snowflake_thrift_client._idl import snowflake_thrift
+
+from snowflake_server import decompose
+from snowflake_server._cli import main as cli_main
+from tests.support import (
+    FakeTime,
+    Load,
+    ServerDidNotStart,
+    ServerProcess,
+    parse_metrics,
+    start_server,
+)
+from tests.support.endpoints import Endpoints
+from tests.support.zookeeper import ZooKeeper, free_port
+
+thrift = snowflake_thrift()
+SESSION = "3"  # seconds: short, so that expiry is quick to provoke; not so short that
+# a missed heartbeat on a busy CI machine drops a healthy session
+
+
+@pytest.fixture(scope="module")
+def shared_zk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeper]:
+    zk = ZooKeeper(tmp_path_factory.mktemp("zk"))
+    zk.start()
+    yield zk
+    zk.stop()
+
+
+@pytest.fixture
+def own_zk(tmp_path: Path) -> Iterator[ZooKeeper]:
+    """A ZooKeeper this test may stop, restart or wipe."""
+    zk = ZooKeeper(tmp_path / "zk")
+    zk.start()
+    yield zk
+    zk.stop()
+
+
+@pytest.fixture
+def zk_path() -> str:
+    return f"/snowflake-test-{uuid.uuid4().hex[:8]}"
+
+
+Start = Callable[..., ServerProcess]
+
+
+@pytest.fixture
+def cluster(zk_path: str) -> Iterator[Callable[..., Start]]:
+    """``cluster(zk)(*flags)`` starts a node of a cluster on ``zk``; all are stopped after."""
+    started: list[ServerProcess] = []
+
+    def on(zk: ZooKeeper) -> Start:
+        def start(*flags: str, **kwargs: object) -> ServerProcess:
+            server = start_server(
+                "--zookeeper", zk.hosts, "--zk-path", zk_path,
+                "--zk-session-timeout", SESSION, "--zk-connect-timeout", "5",
+                "--advertise-host", "127.0.0.1", *flags, **kwargs,  # type: ignore[arg-type]
+            )  # fmt: skip
+            started.append(server)
+            return server
+
+        return start
+
+    yield on
+    for server in started:
+        if server.process.poll() is None:
+            server.stop()
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def serving(server: Endpoints) -> bool:
+    return server.http_get("/health")[0] == 200
+
+
+def metric(server: Endpoints, name: str) -> float:
+    return parse_metrics(server.metrics())[name]
+
+
+def test_three_auto_nodes_lease_distinct_ids(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start], zk_path: str
+) -> None:
+    start = cluster(shared_zk)
+    nodes = [start("--worker-id", "auto") for _ in range(3)]
+    workers = sorted(node.raw_client().get_worker_id() for node in nodes)
+    assert workers == [0, 1, 2]
+    zk = shared_zk.client()
+    zk.start()
+    try:
+        registered = {
+            worker: zk.get(f"{zk_path}/nodes/0/{worker}")[0].decode() for worker in workers
+        }
+    finally:
+        zk.stop()
+        zk.close()
+    assert sorted(registered.values()) == sorted(f"127.0.0.1:{n.port}" for n in nodes)
+    with Load(nodes) as load:
+        wait_until(lambda: load.count() > 20_000, 30, "ids from all nodes")
+    assert load.duplicates() == 0 and not load.errors
+    status, body = nodes[0].http_get("/health")
+    assert status == 200 and json.loads(body)["registered"].startswith(f"{zk_path}/nodes/0/")
+    assert metric(nodes[0], "snowflake_zookeeper_registered") == 1
+
+
+def test_a_static_conflict_is_refused_naming_the_holder(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start]
+) -> None:
+    start = cluster(shared_zk)
+    holder = start("--worker-id", "5")
+    started = time.monotonic()
+    with pytest.raises(ServerDidNotStart) as info:
+        start("--worker-id", "5")
+    assert time.monotonic() - started >= 2, "retried twice, 1 s apart"
+    assert info.value.returncode == 3
+    assert f"worker id 5 of datacenter 0 is registered by 127.0.0.1:{holder.port}" in info.value.log
+
+
+def _fake_registration(zk: ZooKeeper, path: str, data: str) -> None:
+    client = zk.client()
+    client.start()
+    try:
+        client.create(path, data.encode(), makepath=True)
+    finally:
+        client.stop()
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("in_cluster", "registered_as", "message"),
+    [
+        # A standalone node behind a registration that does not match it.
+        (False, "0/7", "Worker id insanity: peer 127.0.0.1:{port} (registered as datacenter 0, "
+                       "worker 7) says it is worker 5"),
+        (False, "1/5", "Datacenter id insanity: peer 127.0.0.1:{port} (registered as "
+                       "datacenter 1, worker 5) says it is in datacenter 0"),
+        # A registered node (worker 5) with a second registration of its address that
+        # claims an id it never answers as: not a node run with --processes.
+        (True, "0/7", "Worker id insanity: peer 127.0.0.1:{port} (registered as datacenter 0, "
+                      "worker 5, datacenter 0, worker 7) never answered as datacenter 0, "
+                      "worker 7"),
+    ],
+)  # fmt: skip
+def test_peer_id_insanity_refuses_start(
+    shared_zk: ZooKeeper,
+    cluster: Callable[..., Start],
+    zk_path: str,
+    in_cluster: bool,
+    registered_as: str,
+    message: str,
+) -> None:
+    start = cluster(shared_zk)
+    peer = start("--worker-id", "5") if in_cluster else start_server("--worker-id", "5")
+    try:
+        _fake_registration(shared_zk, f"{zk_path}/nodes/{registered_as}", f"127.0.0.1:{peer.port}")
+        with pytest.raises(ServerDidNotStart) as info:
+            start("--worker-id", "6")
+        assert info.value.returncode == 3
+        assert message.format(port=peer.port) in info.value.log
+    finally:
+        if not in_cluster:
+            assert peer.stop() == 0
+
+
+def test_an_unreachable_peer_blocks_start_unless_skipped(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start], zk_path: str
+) -> None:
+    start = cluster(shared_zk)
+    dead = f"127.0.0.1:{free_port()}"
+    _fake_registration(shared_zk, f"{zk_path}/nodes/0/9", dead)
+    with pytest.raises(ServerDidNotStart) as info:
+        start("--worker-id", "1")
+    assert f"peer {dead} (registered as datacenter 0, worker 9) is unreachable" in info.value.log
+    assert "--skip-sanity-checks" in info.value.log
+    node = start("--worker-id", "1", "--skip-sanity-checks")
+    assert node.raw_client().get_id("skip") > 0
+
+
+def test_a_clock_far_from_the_peers_refuses_start(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start], tmp_path: Path
+) -> None:
+    start = cluster(shared_zk)
+    ahead = FakeTime(tmp_path)
+    ahead.set("+30")
+    start("--worker-id", "1", env=ahead.env)
+    with pytest.raises(ServerDidNotStart) as info:
+        start("--worker-id", "2")
+    assert "our clock is 30" in info.value.log and "behind the mean of 1 peers' clocks" in (
+        info.value.log
+    )
+    start("--worker-id", "2", "--max-peer-skew", "40")  # within the allowed skew: starts
+
+
+def test_unreachable_zookeeper_refuses_within_the_timeout() -> None:
+    hosts = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(ServerDidNotStart) as info:
+        start_server("--zookeeper", hosts, "--zk-connect-timeout", "2", "--worker-id", "auto")
+    assert time.monotonic() - started < 8
+    assert info.value.returncode == 3
+    assert f"cannot reach ZooKeeper at {hosts} within 2 s" in info.value.log
+
+
+def test_sigterm_deletes_the_node_and_stores_the_exact_mark(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start], zk_path: str
+) -> None:
+    node = cluster(shared_zk)("--worker-id", "4")
+    last = max(node.raw_client().get_ids("bye", 100))
+    assert node.stop() == 0
+    zk = shared_zk.client()
+    zk.start()
+    try:
+        assert zk.exists(f"{zk_path}/nodes/0/4") is None, "deleted at once, not at expiry"
+        mark = int(zk.get(f"{zk_path}/marks/0/4")[0])
+    finally:
+        zk.stop()
+        zk.close()
+    assert mark == (last >> 22) + 1288834974657
+
+
+def test_a_real_session_expiry_stops_ids_until_registered_again(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start]
+) -> None:
+    start = cluster(shared_zk)
+    node, other = start("--worker-id", "3"), start("--worker-id", "auto")
+    with Load([node, other]) as load:
+        wait_until(lambda: load.count() > 2000, 20, "load")
+        # Frozen past the session timeout: ZooKeeper itself expires the session.
+        os.kill(node.process.pid, signal.SIGSTOP)
+        time.sleep(float(SESSION) * 2.5)
+        os.kill(node.process.pid, signal.SIGCONT)
+        wait_until(lambda: metric(node, "snowflake_zookeeper_registrations_total") == 2, 20,
+                   "registering again")  # fmt: skip
+        wait_until(lambda: serving(node), 10, "serving again")
+        before = load.count()
+        wait_until(lambda: load.count() > before + 2000, 20, "ids after registering again")
+    assert load.duplicates() == 0
+    assert load.errors.get("UnavailableError", 0) >= 1, "refused while not registered"
+    counts = parse_metrics(node.metrics())
+    assert counts['snowflake_zookeeper_session_events_total{state="lost"}'] >= 1
+    assert counts['snowflake_exceptions_total{kind="unavailable"}'] >= 1
+    assert node.raw_client().get_worker_id() == 3, "a static id comes back"
+
+
+def test_zookeeper_stopped_then_restarted(own_zk: ZooKeeper, cluster: Callable[..., Start]) -> None:
+    start = cluster(own_zk)
+    nodes = [start("--worker-id", "auto") for _ in range(2)]
+    with Load(nodes) as load:
+        wait_until(lambda: load.count() > 2000, 20, "load")
+        own_zk.stop()
+        # Without ZooKeeper a node serves only while its node is surely its own.
+        wait_until(lambda: not any(serving(n) for n in nodes), float(SESSION) + 5, "ids to stop")
+        stopped = load.count()
+        time.sleep(0.5)
+        assert load.count() - stopped < 500, "nodes stop handing out ids"
+        own_zk.start()
+        wait_until(lambda: all(serving(n) for n in nodes), 30, "serving again")
+        before = load.count()
+        wait_until(lambda: load.count() > before + 2000, 20, "ids after the restart")
+    assert load.duplicates() == 0
+    assert metric(nodes[0], 'snowflake_zookeeper_session_events_total{state="suspended"}') >= 1
+
+
+def test_a_zookeeper_that_comes_back_empty(
+    own_zk: ZooKeeper, cluster: Callable[..., Start]
+) -> None:
+    start = cluster(own_zk)
+    node = start("--worker-id", "7")
+    with Load([node]) as load:
+        wait_until(lambda: load.count() > 2000, 20, "load")
+        own_zk.stop()
+        own_zk.wipe()
+        own_zk.start()
+        # The old session is unknown to the new ZooKeeper: kazoo stays SUSPENDED;
+        # the node must not serve on, and must register afresh.
+        wait_until(lambda: metric(node, "snowflake_zookeeper_client_restarts_total") >= 1, 30,
+                   "a new ZooKeeper client")  # fmt: skip
+        wait_until(lambda: serving(node), 30, "serving again")
+        before = load.count()
+        wait_until(lambda: load.count() > before + 2000, 20, "ids after re-registering")
+    assert load.duplicates() == 0
+    assert node.raw_client().get_worker_id() == 7
+
+
+def test_a_recycled_worker_id_resumes_above_the_old_mark(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start], zk_path: str, tmp_path: Path
+) -> None:
+    start = cluster(shared_zk)
+    first = start("--worker-id", "auto")
+    assert first.raw_client().get_worker_id() == 0
+    with Load([first]) as load:
+        wait_until(lambda: load.count() > 5000, 20, "load")
+    old_ids = list(load.ids)
+    first.stop(signal.SIGKILL)  # dies holding id 0; its node expires with its session
+    zk = shared_zk.client()
+    zk.start()
+    try:
+        wait_until(lambda: zk.exists(f"{zk_path}/nodes/0/0") is None, 20, "the session to expire")
+    finally:
+        zk.stop()
+        zk.close()
+    # Another host (its own state dir), whose clock is 4 s behind, more than the
+    # session takes to expire: without the mark kept in ZooKeeper it would stamp ids
+    # with times the dead node already used.
+    behind = FakeTime(tmp_path)
+    behind.set("-4")
+    second = start("--worker-id", "auto", env=behind.env, timeout_s=40)
+    assert second.raw_client().get_worker_id() == 0, "the lowest free id: the dead node's"
+    with Load([second]) as load:
+        wait_until(lambda: load.count() > 5000, 20, "load")
+    assert min(load.ids) > max(old_ids), "every id above every id of the previous holder"
+    assert load.duplicates() == 0 and len(set(load.ids) & set(old_ids)) == 0
+    assert metric(second, "snowflake_startup_clock_wait_seconds") > 2.0
+
+
+def test_clients_find_the_nodes_through_zookeeper(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start], zk_path: str
+) -> None:
+    start = cluster(shared_zk)
+    nodes = [start("--worker-id", "auto") for _ in range(2)]
+    with ZooKeeperDiscovery(shared_zk.hosts, zk_path) as discovery:
+        assert sorted(discovery()) == sorted(f"127.0.0.1:{n.port}" for n in nodes)
+        with SnowflakePool(
+            discovery, agent="discovered", refresh_interval=0.2, pool_size=4
+        ) as pool:
+            ids = [i for _ in range(50) for i in pool.next_ids(10)]
+            nodes[0].stop()  # deletes its registration; the pool drops it and fails over
+            wait_until(lambda: len(discovery()) == 1, 10, "the registration to go")
+            ids += [i for _ in range(50) for i in pool.next_ids(10)]
+    assert len(set(ids)) == len(ids) == 1000
+    assert {decompose(i).worker_id for i in ids[-100:]} == {1}
+
+
+def test_snowflake_get_through_zookeeper(
+    shared_zk: ZooKeeper,
+    cluster: Callable[..., Start],
+    zk_path: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    node = cluster(shared_zk)("--worker-id", "9")
+    args = ["get", "--zookeeper", shared_zk.hosts, "--zk-path", zk_path, "--count", "3"]
+    assert cli_main(args) == 0
+    ids = [int(line) for line in capsys.readouterr().out.split()]
+    assert len(ids) == 3 and {decompose(i).worker_id for i in ids} == {9}
+    assert node.raw_client().get_worker_id() == 9
+
+
+def test_out_of_worker_ids_is_a_clear_refusal(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start]
+) -> None:
+    start = cluster(shared_zk)
+    narrow = ("--worker-id", "auto", "--worker-id-bits", "1", "--datacenter-id-bits", "9")
+    held = sorted(start(*narrow).raw_client().get_worker_id() for _ in range(2))
+    assert held == [0, 1]
+    with pytest.raises(ServerDidNotStart) as info:
+        start(*narrow)
+    assert info.value.returncode == 3
+    assert "all 2 worker ids of datacenter 0 are leased" in info.value.log
+
+
+def test_processes_lease_their_own_ids(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start], zk_path: str
+) -> None:
+    node = cluster(shared_zk)("--worker-id", "auto", "--processes", "2")
+    counts = parse_metrics(node.metrics())
+    assert {
+        counts['snowflake_worker_id{process="0"}'],
+        counts['snowflake_worker_id{process="1"}'],
+    } == {
+        0.0,
+        1.0,
+    }
+    with Load([node], per_server=4) as load:
+        wait_until(lambda: load.count() > 5000, 20, "load")
+    assert load.duplicates() == 0
+    # 40 new connections: the kernel spreads them over both processes.
+    assert {decompose(node.raw_client().get_id("spread")).worker_id for _ in range(40)} == {0, 1}
+    assert node.stop() == 0
+    zk = shared_zk.client()
+    zk.start()
+    try:
+        assert zk.get_children(f"{zk_path}/nodes/0") == [], "both registrations deleted"
+    finally:
+        zk.stop()
+        zk.close()
+
+
+def test_discovery_gives_up_within_its_timeout_when_zookeeper_goes(
+    own_zk: ZooKeeper, cluster: Callable[..., Start], capsys: pytest.CaptureFixture[str]
+) -> None:
+    node = cluster(own_zk)("--worker-id", "2")
+    discovery = ZooKeeperDiscovery(own_zk.hosts, node_zk_path(node), timeout=1.0)
+    with discovery, SnowflakePool(discovery, refresh_interval=0.1, timeout=1.0) as pool:
+        assert pool.next_id() > 0
+        own_zk.stop()
+        time.sleep(0.2)  # past refresh_interval: the next call asks ZooKeeper again
+        started = time.monotonic()
+        # Served from the last list, or refused by the node now unsure of its id.
+        with contextlib.suppress(NoServerAvailableError):
+            pool.next_id()
+        assert time.monotonic() - started < 8, "no call waits for ZooKeeper to come back"
+    assert cli_main(["get", "--zookeeper", own_zk.hosts, "--timeout", "1"]) == 1
+    assert "snowflake get: server discovery failed" in capsys.readouterr().err
+
+
+def node_zk_path(node: ServerProcess) -> str:
+    """The --zk-path a node of the `cluster` fixture was started with."""
+    args = node.process.args
+    assert isinstance(args, list)
+    return str(args[args.index("--zk-path") + 1])
+
+
+def test_a_node_that_lost_its_id_cannot_touch_the_new_holders_mark(
+    shared_zk: ZooKeeper, cluster: Callable[..., Start], zk_path: str, tmp_path: Path
+) -> None:
+    start = cluster(shared_zk)
+    flags = ("--worker-id", "5", "--skip-sanity-checks")
+    old = start(*flags)
+    assert old.raw_client().get_id("old") > 0
+    zk = shared_zk.client()
+    zk.start()
+    try:
+        # Frozen past its session: ZooKeeper expires it and another node takes id 5.
+        os.kill(old.process.pid, signal.SIGSTOP)
+        wait_until(lambda: zk.exists(f"{zk_path}/nodes/0/5") is None, 20, "the expiry")
+        new = start(*flags)
+        with Load([new]) as load:
+            wait_until(lambda: load.count() > 2000, 20, "load on the new holder")
+            os.kill(old.process.pid, signal.SIGCONT)  # it wakes up with a stale worker
+            deadline = time.monotonic() + float(SESSION) * 3
+            while time.monotonic() < deadline:
+                mark = int(zk.get(f"{zk_path}/marks/0/5")[0])
+                issued = load.ids[-1] if load.ids else 0
+                assert mark >= decompose(issued).timestamp_ms, "the mark never drops below ids"
+                time.sleep(0.005)
+        new_ids = list(load.ids)
+        new.stop(signal.SIGKILL)
+        old.stop(signal.SIGKILL)
+        wait_until(lambda: zk.exists(f"{zk_path}/nodes/0/5") is None, 20, "the expiry")
+    finally:
+        zk.stop()
+        zk.close()
+    behind = FakeTime(tmp_path)
+    behind.set("-4")  # a replacement host whose clock is behind
+    third = start(*flags, env=behind.env, timeout_s=40)
+    with Load([third]) as load:
+        wait_until(lambda: load.count() > 2000, 20, "load on the third holder")
+    assert not set(load.ids) & set(new_ids), "no id of the previous holder is repeated"
+    assert min(load.ids) > max(new_ids)

@@ -1,0 +1,102 @@
+"""compose/decompose: the worked example, the round-trip law, validation."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from snowflake_server import DEFAULT_LAYOUT, ConfigurationError, Layout, compose, decompose
+
+
+def test_worked_example_from_seed_003() -> None:
+    decoded = decompose(910499571847892992)
+    assert decoded.timestamp_ms == 1505914988849
+    assert (decoded.datacenter_id, decoded.worker_id, decoded.sequence) == (17, 25, 0)
+    assert compose(1505914988849, 17, 25, 0) == 910499571847892992
+    assert decoded.datetime.isoformat() == "2017-09-20T13:43:08.849000+00:00"
+
+
+@st.composite
+def layouts_and_parts(draw: st.DrawFn) -> tuple[Layout, int, int, int, int]:
+    dc_bits = draw(st.integers(0, 10))
+    worker_bits = draw(st.integers(0, 10))
+    seq_bits = draw(st.integers(1, 16))
+    ts_bits = draw(st.integers(1, 63 - dc_bits - worker_bits - seq_bits))
+    layout = Layout(
+        epoch_ms=draw(st.integers(0, 2**45)),
+        timestamp_bits=ts_bits,
+        datacenter_id_bits=dc_bits,
+        worker_id_bits=worker_bits,
+        sequence_bits=seq_bits,
+    )
+    return (
+        layout,
+        draw(st.integers(layout.epoch_ms, layout.max_timestamp_ms)),
+        draw(st.integers(0, layout.max_datacenter_id)),
+        draw(st.integers(0, layout.max_worker_id)),
+        draw(st.integers(0, layout.max_sequence)),
+    )
+
+
+@given(layouts_and_parts())
+def test_decompose_inverts_compose(case: tuple[Layout, int, int, int, int]) -> None:
+    layout, ts, dc, worker, seq = case
+    id_ = layout.compose(ts, dc, worker, seq)
+    assert 0 <= id_ < 2**63
+    decoded = layout.decompose(id_)
+    assert (decoded.timestamp_ms, decoded.datacenter_id, decoded.worker_id, decoded.sequence) == (
+        ts,
+        dc,
+        worker,
+        seq,
+    )
+
+
+@given(st.integers(0, 2**63 - 1))
+def test_compose_inverts_decompose(id_: int) -> None:
+    d = decompose(id_)
+    assert compose(d.timestamp_ms, d.datacenter_id, d.worker_id, d.sequence) == id_
+
+
+@given(st.integers(DEFAULT_LAYOUT.epoch_ms, DEFAULT_LAYOUT.max_timestamp_ms - 1))
+def test_later_ms_always_gives_larger_ids(ts: int) -> None:
+    assert compose(ts, 31, 31, 4095) < compose(ts + 1, 0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"timestamp_bits": 42}, "layout needs 64 bits"),
+        ({"sequence_bits": 0}, r"sequence_bits must be in 1\.\.63"),
+        ({"worker_id_bits": -1}, "worker_id_bits"),
+        ({"epoch_ms": -5}, "epoch_ms"),
+        ({"datacenter_id_bits": "5"}, "must be an integer"),
+    ],
+)
+def test_bad_layouts_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        Layout(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((DEFAULT_LAYOUT.epoch_ms - 1, 0, 0, 0), "timestamp_ms"),
+        ((DEFAULT_LAYOUT.max_timestamp_ms + 1, 0, 0, 0), "timestamp_ms"),
+        ((DEFAULT_LAYOUT.epoch_ms, 32, 0, 0), "datacenter_id"),
+        ((DEFAULT_LAYOUT.epoch_ms, 0, 32, 0), "worker_id"),
+        ((DEFAULT_LAYOUT.epoch_ms, 0, 0, 4096), "sequence"),
+    ],
+)
+def test_compose_refuses_parts_that_do_not_fit(
+    args: tuple[int, int, int, int], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        compose(*args)
+
+
+@pytest.mark.parametrize("bad", [-1, 2**63])
+def test_decompose_refuses_out_of_range_ids(bad: int) -> None:
+    with pytest.raises(ConfigurationError, match="id must be in"):
+        decompose(bad)

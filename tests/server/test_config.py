@@ -1,0 +1,104 @@
+"""Settings from flags, environment and file, with their precedence and errors."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from snowflake_server import ConfigurationError, ServerSettings
+from snowflake_server._config.options import OPTIONS, build_parser, load_settings
+
+
+def test_defaults_are_the_originals() -> None:
+    s = load_settings([], {"HOME": "/home/u"})
+    assert s == replace(ServerSettings(), state_dir="/home/u/.local/state/snowflake")
+    assert (s.host, s.port, s.metrics_port, s.transport) == ("127.0.0.1", 7609, 9990, "framed")
+    assert s.idle_timeout > 3, "an idle client must not be dropped after thriftpy2's 3 s"
+
+
+def test_flag_beats_env_beats_file(tmp_path: Path) -> None:
+    config = tmp_path / "snowflake.toml"
+    config.write_text("worker-id = 3\ndatacenter_id = 4\nport = 1111\nidle_timeout = 2\n")
+    env = {"SNOWFLAKE_WORKER_ID": "5", "SNOWFLAKE_PORT": "2222", "SNOWFLAKE_CONFIG": str(config)}
+    s = load_settings(["--port", "3333"], env)
+    assert (s.port, s.worker_id, s.datacenter_id, s.idle_timeout) == (3333, 5, 4, 2.0)
+
+
+def test_every_option_has_a_flag_and_an_env_var() -> None:
+    help_text = build_parser().format_help()
+    for option in OPTIONS:
+        assert option.flag in help_text
+        assert option.env in help_text
+    env = {
+        "SNOWFLAKE_HOST": "0.0.0.0",
+        "SNOWFLAKE_TRANSPORT": "buffered",
+        "SNOWFLAKE_EPOCH": "0",
+        "SNOWFLAKE_SEQUENCE_BITS": "10",
+        "SNOWFLAKE_MAX_BACKWARDS_MS": "0",
+        "SNOWFLAKE_LOG_LEVEL": "debug",
+    }
+    s = load_settings([], env)
+    assert (s.host, s.transport, s.epoch, s.sequence_bits) == ("0.0.0.0", "buffered", 0, 10)
+    assert (s.max_backwards_ms, s.log_level) == (0, "debug")
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--worker-id", "abc"], {}, r"--worker-id: invalid value 'abc'"),
+        ([], {"SNOWFLAKE_PORT": "70000"}, r"SNOWFLAKE_PORT: invalid value '70000'.*0\.\.65535"),
+        (["--transport", "http"], {}, "must be one of framed, buffered"),
+        (["--worker-id", "32"], {}, r"worker_id must be in 0\.\.31, got 32"),
+        (["--timestamp-bits", "50"], {}, "layout needs 72 bits"),
+        (["--idle-timeout", "-1"], {}, "must not be negative"),
+        (["--epoch", "99999999999999"], {}, None),  # valid here; in the future at start-up
+    ],
+)
+def test_bad_values_name_their_source(
+    argv: list[str], env: dict[str, str], message: str | None
+) -> None:
+    if message is None:
+        assert load_settings(argv, env).epoch == 99999999999999
+        return
+    with pytest.raises(ConfigurationError, match=message):
+        load_settings(argv, env)
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="cannot read"):
+        load_settings(["--config", str(tmp_path / "missing.toml")], {})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("port = \n")
+    with pytest.raises(ConfigurationError, match="not valid TOML"):
+        load_settings(["--config", str(bad)], {})
+    bad.write_text("prot = 1\n")
+    with pytest.raises(ConfigurationError, match="unknown setting 'prot'"):
+        load_settings(["--config", str(bad)], {})
+    bad.write_text('port = "7609"\n')
+    assert load_settings(["--config", str(bad)], {}).port == 7609
+    bad.write_text("worker_id = true\n")
+    with pytest.raises(ConfigurationError, match="worker_id: invalid value True"):
+        load_settings(["--config", str(bad)], {})
+
+
+def test_unrelated_env_vars_are_ignored() -> None:
+    # The Snowflake data warehouse's tools use SNOWFLAKE_ACCOUNT and friends.
+    env = {"SNOWFLAKE_ACCOUNT": "x", "SNOWFLAKE_USER": "y", "XDG_STATE_HOME": "/s"}
+    assert load_settings([], env) == replace(ServerSettings(), state_dir="/s/snowflake")
+
+
+def test_state_settings_and_switches(tmp_path: Path) -> None:
+    s = load_settings(["--discard-corrupt-state", "--sequence-start", "random"], {})
+    assert (s.discard_corrupt_state, s.sequence_start) == (True, "random")
+    assert s.ids.sequence_start == "random"
+    env = {"SNOWFLAKE_DISCARD_CORRUPT_STATE": "no", "SNOWFLAKE_STATE_DIR": "/var/lib/sf"}
+    s = load_settings([], env)
+    assert (s.discard_corrupt_state, s.state_dir) == (False, "/var/lib/sf")
+    with pytest.raises(ConfigurationError, match="must be true or false"):
+        load_settings([], {"SNOWFLAKE_DISCARD_CORRUPT_STATE": "maybe"})
+    config = tmp_path / "c.toml"
+    config.write_text("discard-corrupt-state = true\nmax-startup-wait = 30\n")
+    s = load_settings(["--config", str(config)], {})
+    assert (s.discard_corrupt_state, s.max_startup_wait) == (True, 30.0)

@@ -1,0 +1,340 @@
+"""The generator under a fake clock: time is an input."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from snowflake_server import (
+    TWITTER_EPOCH_MS,
+    ClockMovedBackwardsError,
+    ConfigurationError,
+    GeneratorSettings,
+    IdGenerator,
+    InvalidCountError,
+    Layout,
+    TimestampOverflowError,
+    decompose,
+)
+from tests.support import FakeClock
+
+T0 = 1_700_000_000_000
+
+
+def make(clock: FakeClock, **kwargs: object) -> IdGenerator:
+    return IdGenerator(GeneratorSettings(**kwargs), clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+
+
+def test_same_ms_increments_the_sequence() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock, datacenter_id=3, worker_id=7)
+    parts = [decompose(gen.next_id()) for _ in range(3)]
+    assert [p.sequence for p in parts] == [0, 1, 2]
+    assert {(p.timestamp_ms, p.datacenter_id, p.worker_id) for p in parts} == {(T0, 3, 7)}
+
+
+def test_new_ms_restarts_the_sequence() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock)
+    gen.next_id()
+    gen.next_id()
+    clock.now += 1
+    part = decompose(gen.next_id())
+    assert (part.timestamp_ms, part.sequence) == (T0 + 1, 0)
+
+
+def test_a_full_ms_holds_4096_ids_then_waits_for_the_next() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock)
+    ids = [gen.next_id() for _ in range(4096)]
+    assert [decompose(i).sequence for i in ids] == list(range(4096))
+    assert clock.sleeps == [] and gen.sequence_exhausted_waits == 0
+    wrapped = decompose(gen.next_id())
+    assert (wrapped.timestamp_ms, wrapped.sequence) == (T0 + 1, 0)
+    assert clock.sleeps, "the 4097th id must wait for the next ms"
+    assert gen.sequence_exhausted_waits == 1
+    assert wrapped.id > ids[-1]
+
+
+def test_small_step_back_is_waited_out() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock, max_backwards_ms=5)
+    before = gen.next_id()
+    clock.now -= 3
+    after = gen.next_id()
+    assert after > before
+    assert decompose(after).timestamp_ms == T0
+    assert sum(clock.sleeps) == pytest.approx(0.003)
+    assert (gen.clock_backwards_waited, gen.clock_backwards_refused) == (1, 0)
+
+
+def test_large_step_back_is_refused_without_touching_the_sequence() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock, max_backwards_ms=5)
+    gen.next_id()
+    last = gen.next_id()
+    clock.now -= 2000
+    with pytest.raises(ClockMovedBackwardsError, match="for 2000 milliseconds") as info:
+        gen.next_id()
+    assert info.value.behind_ms == 2000
+    assert clock.sleeps == []
+    assert gen.clock_backwards_refused == 1
+    # Back at the last ms: the sequence continues where it was, no duplicate.
+    clock.now = T0
+    assert gen.next_id() == last + 1
+
+
+@pytest.mark.parametrize(
+    ("tolerance", "behind", "waits"),
+    [(5, 5, True), (5, 6, False), (0, 1, False), (0, 0, True), (100, 100, True)],
+)
+def test_tolerance_boundary(tolerance: int, behind: int, waits: bool) -> None:
+    clock = FakeClock(T0)
+    gen = make(clock, max_backwards_ms=tolerance)
+    first = gen.next_id()
+    clock.now -= behind
+    if waits:
+        assert gen.next_id() > first
+    else:
+        with pytest.raises(ClockMovedBackwardsError) as info:
+            gen.next_id()
+        assert info.value.behind_ms == behind
+
+
+def test_clock_stepping_further_back_while_waiting_is_refused() -> None:
+    clock = FakeClock(T0)
+
+    def sleep_and_jump(seconds: float) -> None:
+        clock.now -= 50
+
+    gen = IdGenerator(GeneratorSettings(max_backwards_ms=5), clock=clock, sleep=sleep_and_jump)
+    gen.next_id()
+    clock.now -= 2
+    with pytest.raises(ClockMovedBackwardsError):
+        gen.next_id()
+
+
+def test_next_ids_are_contiguous_within_a_ms_and_cross_into_the_next() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock)
+    for _ in range(4000):
+        gen.next_id()
+    ids = gen.next_ids(200)
+    parts = [decompose(i) for i in ids]
+    assert [p.sequence for p in parts] == [*range(4000, 4096), *range(104)]
+    assert [p.timestamp_ms for p in parts] == [T0] * 96 + [T0 + 1] * 104
+    assert ids == sorted(ids) and len(set(ids)) == 200
+    assert gen.counters().ids_generated == 4200
+
+
+def test_next_ids_full_batch_is_one_ms() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock)
+    ids = gen.next_ids(4096)
+    assert ids == list(range(ids[0], ids[0] + 4096))
+    assert decompose(ids[-1]).timestamp_ms == T0
+
+
+@pytest.mark.parametrize("count", [0, -1, 4097, None, True, 2.0, "3"])
+def test_next_ids_rejects_bad_counts(count: object) -> None:
+    gen = make(FakeClock(T0))
+    with pytest.raises(InvalidCountError, match=r"1\.\.4096"):
+        gen.next_ids(count)  # type: ignore[arg-type]
+    assert gen.counters().ids_generated == 0
+
+
+def test_next_ids_max_follows_sequence_bits() -> None:
+    layout = Layout(sequence_bits=4)
+    gen = make(FakeClock(T0), layout=layout)
+    assert len(gen.next_ids(16)) == 16
+    with pytest.raises(InvalidCountError):
+        gen.next_ids(17)
+
+
+def test_epoch_in_the_future_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="in the future"):
+        make(FakeClock(T0), layout=Layout(epoch_ms=T0 + 1000))
+
+
+def test_exhausted_timestamp_bits() -> None:
+    layout = Layout(epoch_ms=T0, timestamp_bits=10)
+    with pytest.raises(ConfigurationError, match="ran out"):
+        make(FakeClock(T0 + 1024), layout=layout)
+    clock = FakeClock(T0 + 1023)
+    gen = make(clock, layout=layout)
+    gen.next_id()
+    clock.now += 1
+    with pytest.raises(TimestampOverflowError):
+        gen.next_id()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"worker_id": 32}, r"worker_id must be in 0\.\.31, got 32"),
+        ({"datacenter_id": -1}, r"datacenter_id must be in 0\.\.31"),
+        ({"worker_id": True}, "must be an integer"),
+        ({"max_backwards_ms": -1}, "max_backwards_ms"),
+        ({"layout": "twitter"}, "must be a Layout"),
+    ],
+)
+def test_settings_are_validated(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        GeneratorSettings(**kwargs)  # type: ignore[arg-type]
+
+
+def test_default_layout_is_twitters() -> None:
+    gen = make(FakeClock(T0))
+    layout = gen.settings.layout
+    assert layout.epoch_ms == TWITTER_EPOCH_MS == 1288834974657
+    assert (layout.timestamp_shift, layout.datacenter_id_shift, layout.worker_id_shift) == (
+        22,
+        17,
+        12,
+    )
+
+
+def test_ids_are_unique_across_8_threads() -> None:
+    gen = IdGenerator(GeneratorSettings(worker_id=1))
+    per_thread: list[list[int]] = [[] for _ in range(8)]
+    start = threading.Barrier(8)
+
+    def work(out: list[int]) -> None:
+        start.wait()
+        out.extend(gen.next_id() for _ in range(50_000))
+
+    threads = [threading.Thread(target=work, args=(out,)) for out in per_thread]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    all_ids = [i for out in per_thread for i in out]
+    assert len(all_ids) == 400_000
+    assert len(set(all_ids)) == 400_000
+    for out in per_thread:
+        assert out == sorted(out), "each thread sees increasing ids"
+    assert gen.counters().ids_generated == 400_000
+
+
+# Any walk of the clock (forwards, small and large steps back) and any mix of
+# single and batch calls: the ids that come out are unique and increasing.
+_steps = st.lists(
+    st.tuples(st.integers(min_value=-50, max_value=3), st.integers(min_value=0, max_value=5000)),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=_steps, tolerance=st.integers(min_value=0, max_value=10))
+def test_ids_only_go_up_whatever_the_clock_does(
+    steps: list[tuple[int, int]], tolerance: int
+) -> None:
+    clock = FakeClock(T0)
+    gen = make(clock, max_backwards_ms=tolerance, layout=Layout(sequence_bits=6))
+    issued: list[int] = []
+    for move, n in steps:
+        clock.now += move
+        try:
+            issued.extend(gen.next_ids(n % 64 + 1) if n % 2 else [gen.next_id()])
+        except ClockMovedBackwardsError as e:
+            assert e.behind_ms > tolerance
+    assert issued == sorted(issued)
+    assert len(set(issued)) == len(issued)
+
+
+def _low_digit_counts(sequence_start: str, seed: int = 7) -> list[int]:
+    """How often each value of id % 100 occurs over 10,000 ids, one per ms (low traffic)."""
+    clock = FakeClock(T0)
+    gen = IdGenerator(
+        GeneratorSettings(sequence_start=sequence_start),  # type: ignore[arg-type]
+        clock=clock,
+        sleep=clock.sleep,
+        randbelow=random.Random(seed).randrange,
+    )
+    counts = [0] * 100
+    for _ in range(10_000):
+        clock.now += 1
+        counts[gen.next_id() % 100] += 1
+    return counts
+
+
+def _chi_square(counts: list[int]) -> float:
+    expected = sum(counts) / len(counts)
+    return sum((n - expected) ** 2 / expected for n in counts)
+
+
+def test_zero_start_leaves_low_digits_lopsided() -> None:
+    counts = _low_digit_counts("zero")
+    # (ms << 22) % 100 is always a multiple of 4: three residues in four never occur.
+    assert sum(1 for n in counts if n) == 25
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_start_spreads_low_digits_evenly(seed: int) -> None:
+    counts = _low_digit_counts("random", seed)
+    assert all(counts), "every value of id % 100 occurs"
+    # 99 degrees of freedom: the 99.99th percentile of chi-square is about 160.
+    assert _chi_square(counts) < 160, counts
+
+
+def test_random_start_keeps_ids_unique_and_increasing() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock, sequence_start="random")
+    ids = []
+    for _ in range(300):
+        ids.extend(gen.next_ids(97))
+        ids.append(gen.next_id())
+        clock.now += 1
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    starts = {decompose(i).sequence for i in ids if decompose(i).sequence < 100}
+    assert max(starts) < 100
+
+
+def test_random_start_bound_shrinks_with_the_sequence_field() -> None:
+    assert GeneratorSettings(sequence_start="random").random_start_bound == 100
+    narrow = GeneratorSettings(layout=Layout(sequence_bits=4), sequence_start="random")
+    assert narrow.random_start_bound == 8
+    with pytest.raises(ConfigurationError, match="sequence_start"):
+        GeneratorSettings(sequence_start="leaf")  # type: ignore[arg-type]
+
+
+def test_resume_after_skips_the_used_ms() -> None:
+    clock = FakeClock(T0)
+    gen = IdGenerator(GeneratorSettings(), clock=clock, sleep=clock.sleep, resume_after_ms=T0)
+    assert decompose(gen.next_id()).timestamp_ms == T0 + 1
+
+
+def test_the_id_count_is_exact_through_batches_errors_and_sealing() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock, sequence_start="random")
+    gen.next_id()
+    gen.next_ids(4096)  # crosses into the next ms
+    clock.now += 5
+    gen.next_ids(10)
+    assert gen.counters().ids_generated == 4107
+    clock.now -= 1000
+    with pytest.raises(ClockMovedBackwardsError):
+        gen.next_ids(3)
+    assert gen.counters().ids_generated == 4107, "a refused batch hands out nothing"
+    clock.now += 1000
+    gen.seal()
+    assert gen.counters().ids_generated == 4107, "sealing closes the ms without counting more"
+
+
+def test_a_batch_cut_short_counts_only_what_it_returned() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock, max_backwards_ms=5)
+    gen.next_ids(4000)
+
+    def jump_back(seconds: float) -> None:
+        clock.now -= 60_000  # the clock steps back while the batch waits for the next ms
+
+    gen._sleep = jump_back
+    with pytest.raises(ClockMovedBackwardsError):
+        gen.next_ids(200)  # 96 fit this ms; the rest would need the next
+    assert gen.counters().ids_generated == 4000

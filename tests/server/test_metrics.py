@@ -1,0 +1,150 @@
+"""Metrics: exact counts, bounded labels, valid exposition format."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+
+import pytest
+from prometheus_client.exposition import generate_latest
+from snowflake_thrift_client._transports import Transport
+
+from snowflake_server import GeneratorSettings, IdGenerator
+from snowflake_server._observability.metrics import OVERFLOW_AGENT, ServiceMetrics
+from snowflake_server._thrift.handler import service_methods
+from tests.support import parse_metrics, start_server
+from tests.support.inprocess import InProcessServer
+
+
+def make_metrics(max_agents: int = 100) -> tuple[IdGenerator, ServiceMetrics]:
+    generator = IdGenerator(GeneratorSettings(datacenter_id=2, worker_id=5))
+    return generator, ServiceMetrics(generator, service_methods(), max_agents=max_agents)
+
+
+def scrape(metrics: ServiceMetrics) -> dict[str, float]:
+    # A fresh registry per test: nothing leaks between tests or into the global one.
+    return parse_metrics(generate_latest(metrics.registry()).decode())
+
+
+def test_agent_labels_are_bounded() -> None:
+    _, metrics = make_metrics(max_agents=2)
+    assert [metrics.agent_label(a) for a in ["a", "b", "c", "a", "d"]] == [
+        "a",
+        "b",
+        OVERFLOW_AGENT,
+        "a",
+        OVERFLOW_AGENT,
+    ]
+
+
+def test_counts_from_open_and_closed_connections_add_up() -> None:
+    _, metrics = make_metrics()
+    first, second = metrics.open_connection(), metrics.open_connection()
+    first.count_ids("a", 3)
+    second.count_ids("a", 4)
+    second.count_exception("invalid_count")
+    first.observe("get_id", 0.00003)
+    second.observe("get_id", 2.0)
+    metrics.close_connection(first)
+    counts = scrape(metrics)
+    assert counts['snowflake_ids_by_agent_total{agent="a"}'] == 7
+    assert counts['snowflake_exceptions_total{kind="invalid_count"}'] == 1
+    assert counts['snowflake_request_duration_seconds_bucket{le="2.5e-05",method="get_id"}'] == 0
+    assert counts['snowflake_request_duration_seconds_bucket{le="5e-05",method="get_id"}'] == 1
+    assert counts['snowflake_request_duration_seconds_bucket{le="1.0",method="get_id"}'] == 1
+    assert counts['snowflake_request_duration_seconds_bucket{le="+Inf",method="get_id"}'] == 2
+    assert counts['snowflake_request_duration_seconds_count{method="get_id"}'] == 2
+    assert counts["snowflake_connections_open"] == 1
+    assert counts["snowflake_connections_accepted_total"] == 2
+    assert (counts["snowflake_worker_id"], counts["snowflake_datacenter_id"]) == (5, 2)
+
+
+def test_no_increment_is_lost_under_concurrent_scrapes() -> None:
+    generator, metrics = make_metrics()
+    done = threading.Event()
+
+    def work() -> None:
+        stats = metrics.open_connection()
+        for _ in range(20_000):
+            generator.next_id()
+            stats.count_ids("a", 1)
+            stats.observe("get_id", 0.0001)
+        metrics.close_connection(stats)
+
+    def scraper() -> None:
+        while not done.is_set():
+            scrape(metrics)
+
+    scraping = threading.Thread(target=scraper)
+    scraping.start()
+    workers = [threading.Thread(target=work) for _ in range(4)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    done.set()
+    scraping.join()
+    counts = scrape(metrics)
+    assert counts["snowflake_ids_generated_total"] == 80_000
+    assert counts['snowflake_ids_by_agent_total{agent="a"}'] == 80_000
+    assert counts['snowflake_request_duration_seconds_count{method="get_id"}'] == 80_000
+
+
+@pytest.mark.parametrize("transport", ["framed", "buffered"])
+def test_scraped_metrics_match_the_calls_made(transport: Transport) -> None:
+    server = start_server("--worker-id", "3", "--max-agents", "2", transport=transport)
+    try:
+        client = server.raw_client()
+        for _ in range(7):
+            client.get_id("alpha")
+        client.get_ids("beta", 100)
+        client.get_ids("gamma", 5)  # past --max-agents 2: counted under the overflow label
+        for bad in ["1bad", "a b"]:
+            with pytest.raises(Exception, match="user agent"):
+                client.get_id(bad)
+        with pytest.raises(Exception, match="count"):
+            client.get_ids("alpha", 0)
+        client.get_worker_id()
+        expected = {
+            "snowflake_ids_generated_total": 112,
+            'snowflake_ids_by_agent_total{agent="alpha"}': 7,
+            'snowflake_ids_by_agent_total{agent="beta"}': 100,
+            f'snowflake_ids_by_agent_total{{agent="{OVERFLOW_AGENT}"}}': 5,
+            'snowflake_exceptions_total{kind="invalid_user_agent"}': 2,
+            'snowflake_exceptions_total{kind="invalid_count"}': 1,
+            'snowflake_exceptions_total{kind="invalid_system_clock"}': 0,
+            'snowflake_exceptions_total{kind="internal_error"}': 0,
+            'snowflake_request_duration_seconds_count{method="get_id"}': 9,
+            'snowflake_request_duration_seconds_count{method="get_ids"}': 3,
+            'snowflake_request_duration_seconds_count{method="get_worker_id"}': 1,
+            'snowflake_request_duration_seconds_count{method="get_layout"}': 0,
+            'snowflake_clock_backwards_total{action="refused"}': 0,
+            "snowflake_worker_id": 3,
+            "snowflake_connections_open": 1,
+        }
+        counts = parse_metrics(server.metrics())  # the connection is still open
+        assert {k: counts[k] for k in expected} == expected
+        client.close()
+        after_close = parse_metrics(server.metrics())
+        assert after_close["snowflake_connections_open"] == 0
+        expected["snowflake_connections_open"] = 0
+        assert {k: after_close[k] for k in expected} == expected
+    finally:
+        assert server.stop() == 0
+
+
+def test_promtool_accepts_the_exposition(server: InProcessServer) -> None:
+    server.raw_client().get_id("lint")
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool (Debian package prometheus) is installed by `make test`"
+    checked = subprocess.run(
+        [promtool, "check", "metrics"], input=server.metrics(), capture_output=True, text=True
+    )
+    assert checked.returncode == 0 and not checked.stdout.strip(), checked.stdout + checked.stderr
+
+
+def test_health_and_unknown_paths(server: InProcessServer) -> None:
+    status, body = server.http_get("/health")
+    assert status == 200 and '"status": "ok"' in body and '"worker_id": 0' in body
+    assert server.http_get("/nope")[0] == 404

@@ -1,0 +1,220 @@
+"""The real server process, end to end over real sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+import thriftpy2
+from snowflake_thrift_client._idl import snowflake_thrift
+from thriftpy2.thrift import TApplicationException
+from thriftpy2.transport import TTransportException
+
+from snowflake_server import decompose
+from snowflake_server._ids.clocks import wall_clock_ms
+from tests.support import DATA, parse_metrics, start_server, twitter_idl
+from tests.support.inprocess import InProcessServer
+
+thrift = snowflake_thrift()
+
+
+@pytest.mark.parametrize("transport", ["framed", "buffered"])
+def test_every_method_over_each_transport(transport: Any) -> None:
+    server = start_server("--worker-id", "9", "--datacenter-id", "4", transport=transport)
+    try:
+        client = server.raw_client()
+        before = wall_clock_ms()
+        id_ = client.get_id("infra-dm")
+        parts = decompose(id_)
+        assert (parts.worker_id, parts.datacenter_id) == (9, 4)
+        assert before <= parts.timestamp_ms <= wall_clock_ms()
+        assert (client.get_worker_id(), client.get_datacenter_id()) == (9, 4)
+        assert abs(client.get_timestamp() - wall_clock_ms()) < 1000
+        ids = client.get_ids("infra-dm", 4096)
+        assert len(ids) == 4096 and ids == sorted(ids) and ids[0] > id_
+        layout = client.get_layout()
+        assert (layout.epoch_ms, layout.timestamp_bits, layout.sequence_bits) == (
+            1288834974657,
+            41,
+            12,
+        )
+        assert (layout.datacenter_id, layout.worker_id) == (4, 9)
+    finally:
+        assert server.stop() == 0
+
+
+def test_declared_errors_keep_the_connection_usable(server: InProcessServer) -> None:
+    client = server.raw_client()
+    for agent in ["", "1", "1asdf", "a b", "foo_bar", "x" * 129, "ünï"]:
+        with pytest.raises(thrift.InvalidUserAgentError, match="letter followed by letters"):
+            client.get_id(agent)
+    for count in [0, 4097, -3]:
+        with pytest.raises(thrift.InvalidCountError, match=r"1\.\.4096"):
+            client.get_ids("infra-dm", count)
+    with pytest.raises(thrift.InvalidUserAgentError, match="user agent missing"):
+        client.get_id(None)
+    assert client.get_id("infra-dm") > 0
+
+
+def test_twitters_original_idl_client_works_unchanged(server: InProcessServer) -> None:
+    original = twitter_idl()
+    client = server.raw_client(original.Snowflake)
+    first = client.get_id("infra-dm")
+    assert client.get_id("infra-dm") > first
+    assert (client.get_worker_id(), client.get_datacenter_id()) == (0, 0)
+    assert abs(client.get_timestamp() - wall_clock_ms()) < 1000
+    # The old IDL declares no throws: the error arrives as "missing result",
+    # and the connection stays usable.
+    with pytest.raises(TApplicationException) as info:
+        client.get_id("foo_bar")
+    assert info.value.type == TApplicationException.MISSING_RESULT
+    assert client.get_id("infra-dm") > first
+
+
+def test_unknown_method_is_an_application_error(server: InProcessServer) -> None:
+    newer = thriftpy2.load(str(DATA / "future_snowflake.thrift"), module_name="future_sf_thrift")
+    client = server.raw_client(newer.Snowflake)
+    with pytest.raises(TApplicationException, match="unknown method 'get_id_v9'") as info:
+        client.get_id_v9("infra-dm")
+    assert info.value.type == TApplicationException.UNKNOWN_METHOD
+    assert client.get_id("infra-dm") > 0
+    counts = parse_metrics(server.metrics())
+    assert counts['snowflake_exceptions_total{kind="unknown_method"}'] == 1
+
+
+def test_garbage_bytes_leave_the_server_serving_others(server: InProcessServer) -> None:
+    good = server.raw_client()
+    assert good.get_id("before") > 0
+    # (bytes, how the server counts it): None for bytes that end mid-message, which
+    # looks like any client that went away.
+    junk: list[tuple[bytes, str | None]] = [
+        (b"\x00\x00\x00\x05hello", "protocol_error"),  # a frame that is no Thrift message
+        (b"\xff" * 64, "frame_too_large"),  # a negative frame length
+        (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", "frame_too_large"),  # 1.2 GB "frame"
+        (b"\x00\x00\x00\x08\x80\x01\x00\x01\x00\x00\x00\xff", None),  # name past its frame
+        (bytes(range(256)) * 4, "frame_too_large"),  # 66,051 bytes announced
+        (b"\x00\x00\x00\x0c\x80\x01\x00\x01\x00\x00\x00\x06get_id", None),  # truncated
+    ]
+    for payload, _ in junk:
+        with socket.create_connection((server.host, server.port), timeout=5) as raw:
+            raw.sendall(payload)
+            raw.shutdown(socket.SHUT_WR)
+            while raw.recv(1024):  # any explanation the server sends, then its close
+                pass
+        assert good.get_id("between") > 0
+    assert server.raw_client().get_id("after") > 0
+    counts = parse_metrics(server.metrics())
+    for kind in ("protocol_error", "frame_too_large"):
+        expected = sum(1 for _, counted in junk if counted == kind)
+        assert counts[f'snowflake_exceptions_total{{kind="{kind}"}}'] == expected, kind
+
+
+def test_an_idle_client_is_not_dropped_after_3_seconds(server: InProcessServer) -> None:
+    client = server.raw_client(timeout_s=10)
+    first = client.get_id("idle")
+    time.sleep(3.5)  # the thing under test is the passage of time
+    assert client.get_id("idle") > first
+
+
+def test_idle_timeout_closes_quiet_connections() -> None:
+    server = start_server("--idle-timeout", "0.3")
+    try:
+        client = server.raw_client()
+        client.get_id("quiet")
+        time.sleep(1.0)
+        with pytest.raises((TTransportException, OSError)):
+            client.get_id("quiet")
+        assert server.raw_client().get_id("fresh") > 0
+    finally:
+        assert server.stop() == 0
+
+
+def test_internal_errors_reach_the_client_as_application_errors() -> None:
+    # A layout whose 20 timestamp bits run out ~4 s after the server starts.
+    epoch = wall_clock_ms() - 2**20 + 4000
+    server = start_server("--epoch", str(epoch), "--timestamp-bits", "20")
+    try:
+        client = server.raw_client()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                client.get_id("overflow")
+            except TApplicationException as e:
+                assert e.type == TApplicationException.INTERNAL_ERROR
+                assert "TimestampOverflowError" in str(e)
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the layout never ran out")
+        assert client.get_worker_id() == 0, "the connection stays usable"
+        counts = parse_metrics(server.metrics())
+        assert counts['snowflake_exceptions_total{kind="internal_error"}'] == 1
+    finally:
+        assert server.stop() == 0
+    assert "internal error in get_id" in server.log()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_within_2_seconds_and_lets_calls_finish(sig: int) -> None:
+    server = start_server()
+    idle = server.raw_client()
+    idle.get_id("idle")
+    busy = server.raw_client()
+    results: list[int] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            try:
+                results.extend(busy.get_ids("busy", 4096))
+            except (TTransportException, OSError) as e:
+                failures.append(e)
+                return
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    while len(results) < 4096 * 3:
+        time.sleep(0.01)
+    started = time.monotonic()
+    server.process.send_signal(sig)
+    code = server.process.wait(5)
+    elapsed = time.monotonic() - started
+    stop.set()
+    thread.join(5)
+    server.stop()
+    assert code == 0, server.log()
+    assert elapsed < 2.0
+    # Every reply that arrived was whole: ids are unique and increasing.
+    assert len(results) % 4096 == 0
+    assert results == sorted(set(results))
+
+
+def test_busy_port_is_a_clear_start_up_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(AssertionError, match="cannot listen"):
+            start_server("--port", str(port))
+
+
+def test_epoch_in_the_future_is_a_clear_start_up_error() -> None:
+    with pytest.raises(AssertionError, match="in the future"):
+        start_server("--epoch", str(wall_clock_ms() + 3_600_000))
+
+
+def test_server_runs_as_the_console_script(tmp_path: Any) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    script = shutil.which("snowflake-server", path=os.path.dirname(sys.executable))
+    assert script, "the console script is installed"
+    out = subprocess.run([script, "--help"], capture_output=True, text=True, check=True).stdout
+    assert "SNOWFLAKE_WORKER_ID" in out and "--metrics-port" in out

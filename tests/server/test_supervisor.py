@@ -1,0 +1,78 @@
+"""--processes: several server processes on one port, one worker id each."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from snowflake_server import decompose, load_settings
+from snowflake_server._app.supervisor import child_argv
+from tests.support import Load, ServerDidNotStart, ServerProcess, parse_metrics, start_server
+
+
+@pytest.fixture
+def pair() -> Iterator[ServerProcess]:
+    server = start_server("--processes", "2", "--worker-id", "3")
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+def test_connections_spread_over_processes_with_their_own_worker_ids(pair: ServerProcess) -> None:
+    workers = {decompose(pair.raw_client().get_id("spread")).worker_id for _ in range(40)}
+    assert workers == {3, 4}, "the kernel spreads new connections over both processes"
+    with Load([pair], per_server=4) as load:
+        deadline = time.monotonic() + 20
+        while load.count() < 20_000:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert load.duplicates() == 0 and not load.errors
+
+
+def test_one_metrics_port_for_all_processes(pair: ServerProcess) -> None:
+    for _ in range(10):
+        pair.raw_client().get_ids("metrics", 5)
+    counts = parse_metrics(pair.metrics())
+    assert counts['snowflake_worker_id{process="0"}'] == 3
+    assert counts['snowflake_worker_id{process="1"}'] == 4
+    total = sum(v for k, v in counts.items() if k.startswith("snowflake_ids_generated_total"))
+    assert total == 50
+    status, body = pair.http_get("/health")
+    assert status == 200 and json.loads(body)["processes"] == {"0": "ok", "1": "ok"}
+
+
+def test_a_dead_process_is_restarted(pair: ServerProcess) -> None:
+    children = subprocess.run(
+        ["ps", "-o", "pid=,args=", "--ppid", str(pair.process.pid)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    worker_pid = next(
+        int(line.split()[0]) for line in children.splitlines() if "snowflake_server" in line
+    )
+    os.kill(worker_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while pair.http_get("/health")[0] != 200 or not any(
+        "restarting it" in line for line in pair.log().splitlines()
+    ):
+        assert time.monotonic() < deadline, pair.log()
+        time.sleep(0.1)
+    workers = {decompose(pair.raw_client().get_id("again")).worker_id for _ in range(40)}
+    assert workers == {3, 4}
+
+
+def test_worker_ids_must_fit_for_every_process() -> None:
+    with pytest.raises(ServerDidNotStart, match=r"worker_id must be in 0\.\.31, got 32"):
+        start_server("--processes", "3", "--worker-id", "30")
+
+
+def test_children_get_exactly_the_parents_settings() -> None:
+    settings = load_settings(
+        ["--worker-id", "auto", "--zookeeper", "zk:2181", "--skip-sanity-checks",
+         "--state-dir", "/s", "--idle-timeout", "5"], {},
+    )  # fmt: skip
+    assert load_settings(child_argv(settings), {}) == settings

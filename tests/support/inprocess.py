@@ -1,0 +1,63 @@
+"""The real server, in a thread of the test process: every branch it runs is measured
+and can be driven with an injected clock or ZooKeeper client factory."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kazoo.client import KazooClient
+
+from snowflake_server import Node, ServerSettings
+from snowflake_server._ids.clocks import wall_clock_ms
+from tests.support.endpoints import Endpoints
+
+
+class InProcessServer(Endpoints):
+    """A :class:`Node` on free loopback ports, serving from a thread until :meth:`stop`.
+
+    ``settings`` get port 0 for Thrift and admin; ``state_dir`` is used unless the
+    settings name one. Use as a context manager, or :meth:`start` and :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        state_dir: Path,
+        *,
+        clock: Callable[[], int] = wall_clock_ms,
+        zk_client_factory: Callable[..., Any] = KazooClient,
+    ) -> None:
+        self.settings = replace(
+            settings, port=0, metrics_port=0, state_dir=settings.state_dir or str(state_dir)
+        )
+        self.transport = self.settings.transport
+        self.node = Node(self.settings, clock=clock, zk_client_factory=zk_client_factory)
+        self._thread: threading.Thread | None = None
+        self._clients = []
+
+    def start(self) -> InProcessServer:
+        self.node.start()
+        self.port = self.node.thrift_address[1]
+        self.metrics_port = self.node.admin_address[1]
+        self._thread = threading.Thread(target=self.node.run, name="in-process-server")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Finish calls in flight, stop serving, write the final marks."""
+        self.close_clients()
+        self.node.request_stop()
+        if self._thread is not None:
+            self._thread.join(10)
+            assert not self._thread.is_alive(), "the server did not stop within 10 s"
+        self.node.close()
+
+    def __enter__(self) -> InProcessServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

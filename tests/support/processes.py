@@ -1,0 +1,242 @@
+"""Real server processes for the tests, and libfaketime to move their clocks."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import glob
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import thriftpy2
+from snowflake_thrift_client._transports import Transport, open_client
+
+from snowflake_server._app.ready import parse_ready_line
+from tests.support.endpoints import Endpoints
+
+DATA = Path(__file__).parent.parent / "data"
+
+
+class FakeTime:
+    """The wall-clock offset of the processes started with :attr:`env`."""
+
+    def __init__(self, directory: Path) -> None:
+        # The thread-safe build: with the plain one, threads reading the clock at once
+        # sometimes see it jump back (a server sees InvalidSystemClock where none was).
+        libraries = glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1")
+        assert libraries, "libfaketime (Debian package faketime) is installed by `make test`"
+        self.file = directory / "faketime-offset"
+        self.set("+0")
+        self.env = {
+            "LD_PRELOAD": libraries[0],
+            "FAKETIME_TIMESTAMP_FILE": str(self.file),
+            "FAKETIME_NO_CACHE": "1",  # read the offset on every call
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1",  # only the wall clock moves
+        }
+
+    def set(self, offset: str) -> None:
+        """Offset from the real time, in seconds: "+0", "-0.004", "-2"."""
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(offset + "\n")
+        tmp.replace(self.file)  # never a half-written offset
+
+
+class ServerDidNotStart(AssertionError):
+    """The server exited (or hung) before its ready line; ``log`` is its stderr."""
+
+    def __init__(self, returncode: int | None, log: str) -> None:
+        super().__init__(f"server did not become ready: rc={returncode}\n{log}")
+        self.returncode = returncode
+        self.log = log
+
+
+@dataclass
+class ServerProcess(Endpoints):
+    """A real ``snowflake-server`` process on free loopback ports."""
+
+    process: subprocess.Popen[str]
+    stderr: IO[str]
+    port: int
+    metrics_port: int
+    transport: Transport = "framed"
+    state_dir: Path | None = None
+    _clients: list[Any] = field(default_factory=list)
+    _final_log: str = ""
+
+    def log(self) -> str:
+        """What the server wrote to stderr so far (kept after :meth:`stop`)."""
+        if self.stderr.closed:
+            return self._final_log
+        self.stderr.seek(0)
+        return self.stderr.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        self.close_clients()
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(self.process.pid, signal.SIGABRT)  # -X faulthandler dumps every stack
+            self.process.wait(5)
+            raise AssertionError(
+                f"server did not stop within {timeout_s} s:\n{self.log()}"
+            ) from None
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            assert self.process.stdout is not None
+            self.process.stdout.close()
+            self._final_log = self.log()
+            self.stderr.close()
+
+
+@functools.cache
+def _state_root() -> Path:
+    """One temporary folder for the state dirs of this test run, removed at exit."""
+    root = Path(tempfile.mkdtemp(prefix="snowflake-test-state-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+def start_server(
+    *args: str,
+    transport: Transport = "framed",
+    timeout_s: float = 15.0,
+    state_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
+    """Start ``snowflake-server`` on free ports and wait for its ready line.
+
+    Each server gets a fresh state directory unless ``state_dir`` is given
+    (pass the same one to restart a worker); ``env`` adds environment variables.
+    """
+    stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by ServerProcess.stop
+    if state_dir is None:
+        state_dir = Path(tempfile.mkdtemp(dir=_state_root()))
+    command = [
+        sys.executable, "-X", "faulthandler", "-m", "snowflake_server",
+        "--port", "0", "--metrics-port", "0", "--transport", transport,
+        "--state-dir", str(state_dir), *args,
+    ]  # fmt: skip
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("SNOWFLAKE_")},
+        **(env or {}),
+    }
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not selector.select(deadline - time.monotonic()):
+                break
+            line = process.stdout.readline()
+            if not line:
+                break
+            ready = parse_ready_line(line)
+            if ready is not None:
+                server = ServerProcess(
+                    process,
+                    stderr,
+                    port=ready.thrift[1],
+                    metrics_port=ready.metrics[1],
+                    transport=transport,
+                    state_dir=state_dir,
+                )
+                return server
+    process.kill()
+    process.wait()
+    process.stdout.close()
+    with stderr:
+        stderr.seek(0)
+        log = stderr.read()
+    raise ServerDidNotStart(process.returncode, log)
+
+
+def twitter_idl() -> Any:
+    """Twitter's original IDL (no ``throws``), as a thriftpy2 module."""
+    return thriftpy2.load(str(DATA / "twitter_snowflake.thrift"), module_name="twitter_sf_thrift")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text format as {'name{labels}': value}, comments dropped."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+class Load:
+    """Clients hammering servers with get_ids in the background, bounded in time.
+
+    Every id received is kept, so a test can count duplicates across a cluster;
+    errors are counted by type and the connection is reopened after any of them.
+    """
+
+    def __init__(self, servers: list[ServerProcess], per_server: int = 2, batch: int = 10) -> None:
+        self.ids: list[int] = []
+        self.errors: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._batch = batch
+        self._threads = [
+            threading.Thread(target=self._run, args=(server,), daemon=True)
+            for server in servers
+            for _ in range(per_server)
+        ]
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+
+    def _run(self, server: Endpoints) -> None:
+        deadline = time.monotonic() + 120  # stops by itself whatever the test does
+        client: Any = None
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                if client is None:
+                    client = open_client(server.host, server.port, server.transport, 2.0)
+                ids = client.get_ids("load", self._batch)
+                with self._lock:
+                    self.ids.extend(ids)
+            except Exception as e:  # noqa: BLE001 - counted; the test decides what is allowed
+                with self._lock:
+                    name = type(e).__name__
+                    self.errors[name] = self.errors.get(name, 0) + 1
+                if client is not None:
+                    client.close()
+                    client = None
+                self._stop.wait(0.02)
+        if client is not None:
+            client.close()
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.ids)
+
+    def duplicates(self) -> int:
+        with self._lock:
+            return len(self.ids) - len(set(self.ids))
