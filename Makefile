@@ -1,6 +1,8 @@
-# make run   : install everything, then start a server on its defaults (127.0.0.1:7609)
-# make test  : install everything (Python deps in .venv, Debian packages the tests need),
-#              lint and type-check, then run the whole test suite
+# make run       : install everything, then start a server on its defaults (127.0.0.1:7609)
+# make test      : install everything (Python deps in .venv, Debian packages the tests need),
+#                  lint and type-check, run the whole suite measuring coverage across the
+#                  processes it starts, and fail below the coverage floors
+# make test-fast : the suite without ZooKeeper, interop toolchains and slow tests (seconds)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -23,7 +25,7 @@ THRIFT    ?= thrift
 IDL       := idl/snowflake.thrift
 CLIENTS   ?= clients
 
-.PHONY: install system-deps stubs node-deps run check test bench clean soak
+.PHONY: install system-deps stubs node-deps run check test test-fast coverage bench clean soak
 
 install: $(VENV)/.installed
 
@@ -76,9 +78,38 @@ check: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	cd clients/python && ../../$(BIN)/mypy
 
+# Branch coverage floors (coverage's figure, lines and branches together): each module
+# holding safety logic, and the whole of both packages.
+SAFETY_MODULES := snowflake_server/_ids/generator.py snowflake_server/_state/statefile.py \
+	snowflake_server/_state/reservation.py snowflake_server/_state/worker.py \
+	snowflake_server/_cluster/membership.py snowflake_server/_cluster/zkmarks.py \
+	snowflake_server/_cluster/peers.py snowflake_server/_thrift/server.py \
+	snowflake_server/_thrift/handler.py
+SAFETY_FLOOR  := 90
+OVERALL_FLOOR := 85
+# pytest-xdist workers; each test file runs whole in one worker (module fixtures: ZooKeeper).
+PYTEST_WORKERS ?= 2
+
+# The servers the tests start in their own processes are measured too ([run] patch =
+# subprocess in pyproject.toml). pytest's exit code 5 (no tests ran) fails like any other.
 test: install system-deps node-deps check
-	$(BIN)/pytest
+	rm -f .coverage .coverage.*
+	$(BIN)/coverage run -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+	$(MAKE) --no-print-directory coverage
+
+coverage:
+	$(BIN)/coverage combine -q
+	$(BIN)/coverage report --fail-under=$(OVERALL_FLOOR)
+	@for module in $(SAFETY_MODULES); do \
+	  $(BIN)/coverage report --include=$$module --fail-under=$(SAFETY_FLOOR) >/dev/null || { \
+	    echo "coverage of $$module is below $(SAFETY_FLOOR)%:"; \
+	    $(BIN)/coverage report -m --include=$$module; exit 1; }; \
+	done; echo "every safety module is at or above $(SAFETY_FLOOR)% branch coverage"
+
+test-fast: install
+	$(BIN)/pytest -n $(PYTEST_WORKERS) -m "not zookeeper and not interop and not slow"
 
 # The benchmark harness (about 3-4 minutes; BENCH_ARGS=--quick for a smoke run under a
 # minute): results in bench/results/<time>/ and bench/results/latest.{md,png}.
@@ -98,5 +129,6 @@ soak: install
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build *.egg-info \
+	  .coverage .coverage.* clients/python/build clients/python/*.egg-info \
 	  clients/*/gen-* clients/go/thrift-debian clients/go/bin clients/java/build \
 	  clients/node/node_modules

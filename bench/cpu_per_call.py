@@ -19,9 +19,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from snowflake_thrift_client._idl import snowflake_thrift
-from snowflake_thrift_client._transports import binary_protocol, client_socket
-from thriftpy2.thrift import TClient
+from snowflake_thrift_client._transports import open_client
 
 from bench.servers import Server, start_floor, start_ours
 
@@ -32,9 +30,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def per_call_us(server: Server, calls: int) -> float:
-    protocol = binary_protocol(client_socket(server.host, server.port, 5.0), "framed")
-    protocol.trans.open()
-    client: Any = TClient(snowflake_thrift().Snowflake, protocol)
+    client: Any = open_client(server.host, server.port, "framed", 5.0)
     try:
         client.get_id("warm-up")
         before = cpu_seconds(server.process.pid)

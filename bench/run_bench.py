@@ -298,19 +298,21 @@ def over_thrift(load: LoadGenerator, servers: dict[str, Server], plan: Plan) -> 
             )
         )
     if 4096 in plan.batch_sizes:  # one client waits out each ms between its calls; two overlap
-        comparisons.append(
-            interleaved(
-                load,
-                servers,
-                "get_ids(4096) x2",
-                "get_ids",
-                4096,
-                2,
-                plan.batch_seconds,
-                plan.rounds,
-            )
-        )
+        comparisons.append(full_batches_x2(load, servers, plan))
     return comparisons
+
+
+def full_batches_x2(
+    load: LoadGenerator,
+    servers: dict[str, Server],
+    plan: Plan,
+    spread: dict[str, int] | None = None,
+) -> Comparison:
+    """``get_ids(4096)`` on two connections: the per-worker limit with calls overlapping."""
+    return interleaved(
+        load, servers, "get_ids(4096) x2", "get_ids", 4096, 2, plan.batch_seconds, plan.rounds,
+        spread,
+    )  # fmt: skip
 
 
 def scaling(load: LoadGenerator, plan: Plan, work: Path) -> tuple[str, list[Comparison]]:
@@ -329,19 +331,7 @@ def scaling(load: LoadGenerator, plan: Plan, work: Path) -> tuple[str, list[Comp
             )
             for c in plan.scaling_connections
         ]
-        comparisons.append(
-            interleaved(
-                load,
-                servers,
-                "get_ids(4096) x2",
-                "get_ids",
-                4096,
-                2,
-                plan.batch_seconds,
-                plan.rounds,
-                spread,
-            )
-        )
+        comparisons.append(full_batches_x2(load, servers, plan, spread))
     except ServerFailed as e:
         return f"scaling: a server with --processes failed to start: {e}", []
     finally:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support import Load, ServerProcess, start_server
+from tests.support.processes import Load, ServerProcess, start_server
 
 MAX_CONNECTIONS = 600
 

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from kazoo.client import KazooClient
 
 from snowflake_server import ServerSettings
 from tests.support.inprocess import InProcessServer
+from tests.support.zookeeper import ZooKeeper
 
 
 @pytest.fixture
@@ -15,3 +19,42 @@ def server(tmp_path: Path) -> Iterator[InProcessServer]:
     loopback ports (tests that need a process of its own use ``start_server``)."""
     with InProcessServer(ServerSettings(), tmp_path / "state") as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def zookeeper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeper]:
+    """A real ZooKeeper shared by a test module (each test has its own ``zk_path``)."""
+    zk = ZooKeeper(tmp_path_factory.mktemp("zk"))
+    zk.start()
+    yield zk
+    zk.stop()
+
+
+@pytest.fixture
+def zk_sessions(zookeeper: ZooKeeper) -> Iterator[Callable[[], KazooClient]]:
+    """Makes ZooKeeper sessions of the test's own, ended after the test."""
+    made: list[KazooClient] = []
+
+    def session() -> KazooClient:
+        client = zookeeper.client()
+        client.start(timeout=10)
+        made.append(client)
+        return client
+
+    yield session
+    for client in made:
+        client.stop()
+        client.close()
+
+
+@pytest.fixture
+def zk(zk_sessions: Callable[[], KazooClient]) -> KazooClient:
+    """A session of the test's own: it looks at znodes, and plays other nodes, through it."""
+    return zk_sessions()
+
+
+@pytest.fixture
+def zk_path(request: pytest.FixtureRequest) -> str:
+    """A ``--zk-path`` of this test's own, named after it."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)[:60]
+    return f"/test-{name}-{uuid.uuid4().hex[:6]}"

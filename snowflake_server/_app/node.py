@@ -16,7 +16,6 @@ import logging
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -27,7 +26,7 @@ from snowflake_thrift_client import __version__
 
 from .._cluster.membership import Cluster, advertised_address
 from .._config.settings import ServerSettings
-from .._errors import ConfigurationError, StartupRefused
+from .._errors import StartupRefused
 from .._ids.clocks import wall_clock_ms
 from .._ids.generator import IdSource
 from .._observability.admin import AdminServer, Health
@@ -108,9 +107,8 @@ def clustered(
 class Node:
     """One server process: ``start()``, ``run()`` until ``request_stop()``, ``close()``.
 
-    Also a context manager (start on entry, close on exit). ``clock`` is the
-    wall clock ids are stamped with; ``zk_client_factory`` makes ZooKeeper
-    clients in cluster mode.
+    ``clock`` is the wall clock ids are stamped with; ``zk_client_factory``
+    makes ZooKeeper clients in cluster mode.
     """
 
     def __init__(
@@ -140,21 +138,40 @@ class Node:
             raise
 
     def _start(self) -> None:
-        settings, cleanup = self.settings, self._cleanup
+        mode = self._open_mode()
+        metrics = ServiceMetrics(
+            mode.source, service_methods(), max_agents=self.settings.admin.max_agents
+        )
+        audit = self._open_audit(mode)
+        self._server = self._open_thrift(mode, metrics, audit)
+        self.thrift_address = self._server.bind()
+        mode.join(self.thrift_address[1])  # cluster mode: peers can dial us now
+        self.admin_address = self._open_admin(mode, metrics)
+
+    def _open_mode(self) -> Mode:
+        settings = self.settings
         if settings.zookeeper:
             mode = clustered(settings, self._clock, self._zk_client_factory)
         else:
             mode = standalone(settings, self._clock)
         self.mode = mode
-        cleanup.callback(lambda: [close() for close in reversed(mode.cleanup)])
-        metrics = ServiceMetrics(mode.source, service_methods(), max_agents=settings.max_agents)
-        audit = None
-        if settings.audit.path:
-            audit = AuditLog(settings.audit.path, settings.audit.queue)
-            audit.start()
-            cleanup.callback(audit.close)  # after the server: every id issued is written
-            mode.collectors.append(audit)
-        thrift = settings.thrift
+        self._cleanup.callback(lambda: [close() for close in reversed(mode.cleanup)])
+        return mode
+
+    def _open_audit(self, mode: Mode) -> AuditLog | None:
+        audit_settings = self.settings.audit
+        if not audit_settings.path:
+            return None
+        audit = AuditLog(audit_settings.path, audit_settings.queue)
+        audit.start()
+        self._cleanup.callback(audit.close)  # after the server: every id issued is written
+        mode.collectors.append(audit)
+        return audit
+
+    def _open_thrift(
+        self, mode: Mode, metrics: ServiceMetrics, audit: AuditLog | None
+    ) -> ThriftServer:
+        thrift = self.settings.thrift
         tls = (
             server_context(thrift.tls_cert, thrift.tls_key, thrift.tls_client_ca)
             if thrift.tls_cert
@@ -166,10 +183,11 @@ class Node:
             return Processor(SnowflakeHandler(source, metrics, stats, clock, audit), stats)
 
         server = ThriftServer(make_processor, metrics, thrift, tls=tls)
-        cleanup.callback(server.close)
-        self.thrift_address = server.bind()
-        self._server = server
-        mode.join(self.thrift_address[1])
+        self._cleanup.callback(server.close)
+        return server
+
+    def _open_admin(self, mode: Mode, metrics: ServiceMetrics) -> tuple[str, int]:
+        source = mode.source
 
         def report() -> tuple[bool, dict[str, object]]:
             healthy, details = mode.health()
@@ -181,21 +199,10 @@ class Node:
                 **details,
             }
 
-        admin_settings = settings.admin
-        try:
-            admin = AdminServer(
-                metrics.registry(*mode.collectors),
-                report,
-                host=admin_settings.host,
-                port=admin_settings.port,
-            )
-        except OSError as e:
-            raise ConfigurationError(
-                f"cannot listen on {admin_settings.host}:{admin_settings.port}: {e}"
-            ) from None
+        admin = AdminServer(metrics.registry(*mode.collectors), report, self.settings.admin)
         admin.start()
-        cleanup.callback(admin.stop)
-        self.admin_address = admin.address
+        self._cleanup.callback(admin.stop)
+        return admin.address
 
     def run(self) -> None:
         """Serve until :meth:`request_stop`; calls in flight finish first."""
@@ -211,22 +218,12 @@ class Node:
         """Stop everything started, in reverse: the exact final marks are written."""
         self._cleanup.close()
 
-    def __enter__(self) -> Node:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
 
 def serve(settings: ServerSettings) -> int:
     """Run a server with ``settings`` until SIGTERM/SIGINT; return the exit code."""
-    with Node(settings) as node:
+    node = Node(settings)
+    node.start()
+    try:
 
         def on_signal(signum: int, _frame: object) -> None:
             log.info("received %s: finishing calls in flight", signal.Signals(signum).name)
@@ -243,5 +240,7 @@ def serve(settings: ServerSettings) -> int:
         )  # fmt: skip
         print(ready_line(node.thrift_address, node.admin_address), flush=True)
         node.run()
+    finally:
+        node.close()
     log.info("stopped")
     return 0

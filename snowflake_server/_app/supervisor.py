@@ -167,14 +167,10 @@ class Supervisor:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_ChildrenMetrics(self._children))
         try:
-            admin = AdminServer(
-                registry, self._health, host=settings.metrics_host, port=settings.metrics_port
-            )
-        except OSError as e:
+            admin = AdminServer(registry, self._health, settings.admin)
+        except ConfigurationError:
             self._stop_children()
-            raise ConfigurationError(
-                f"cannot listen on {settings.metrics_host}:{settings.metrics_port}: {e}"
-            ) from None
+            raise
         admin.start()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)

@@ -68,7 +68,9 @@ class Cluster(Collector):
     leased id, ``client_factory`` makes the ZooKeeper client (``KazooClient``'s
     arguments), ``clock`` is the wall clock in ms (peer checks), ``gate`` the
     session gate's clock in seconds (the slot's), ``sleep`` waits between
-    retries of a held worker id.
+    retries of a held worker id. ``supervise_every`` is the seconds between the
+    supervision thread's checks (default: a quarter of the session timeout, at
+    most 1 s); tests that drive :meth:`_tick` themselves make it long.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class Cluster(Collector):
         client_factory: Callable[..., Any] = KazooClient,
         gate: Callable[[], float] = boot_clock,
         sleep: Callable[[float], object] = pause,
+        supervise_every: float | None = None,
     ) -> None:
         self._settings = settings
         self._slot = slot
@@ -92,6 +95,7 @@ class Cluster(Collector):
         self._sleep = sleep
         self.address = address
         self._timeout = settings.zk_session_timeout
+        self._every = min(1.0, self._timeout / 4) if supervise_every is None else supervise_every
         self._dc = settings.datacenter_id
         self._nodes = f"{settings.zk_path}/nodes/{self._dc}"
         self._marks = f"{settings.zk_path}/marks/{self._dc}"
@@ -255,8 +259,7 @@ class Cluster(Collector):
                 "ZooKeeper session %s", state)  # fmt: skip
 
     def _supervise(self) -> None:
-        interval = min(1.0, self._timeout / 4)
-        while not self._stop.wait(interval):
+        while not self._stop.wait(self._every):
             try:
                 self._tick()
             except StartupRefused as e:

@@ -131,7 +131,8 @@ OPTIONS: tuple[Option, ...] = (
            "unreachable peer then does not block start-up)."),
     Option("zk_session_timeout", float,
            "ZooKeeper session timeout; it must lie within the ensemble's min and max "
-           "session timeouts. Ids stop this long after ZooKeeper was last reached.",
+           "session timeouts. Ids stop 0.9 x this long after ZooKeeper last confirmed "
+           "our registration.",
            "SECONDS"),
     Option("zk_connect_timeout", float,
            "At start, refuse if ZooKeeper cannot be reached within this time.", "SECONDS"),
@@ -283,5 +284,9 @@ def load_settings(
         if len(named) == 1 and given:
             where, raw = origin[given[0].name]
             raise ConfigurationError(f"{where}: invalid value {raw!r}: {e}") from None
-        where = "; ".join(origin[o.name][0] if o.name in origin else o.flag for o in named)
-        raise ConfigurationError(f"{e} (set by {where})" if where else str(e)) from None
+        # Several settings at fault (a layout, a combination): name them as flags.
+        message = str(e)
+        for o in named:
+            message = re.sub(rf"\b{o.name}\b", o.flag, message)
+        where = "; ".join(origin[o.name][0] for o in given if origin[o.name][0] != o.flag)
+        raise ConfigurationError(f"{message} (set by {where})" if where else message) from None

@@ -12,8 +12,8 @@ generator), :attr:`~ServerSettings.worker` (state file and start-up wait),
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, fields
+from typing import Any, Literal, TypeVar
 
 from snowflake_thrift_client import TWITTER_EPOCH_MS, Layout
 
@@ -199,15 +199,7 @@ class ServerSettings:
 
     @property
     def worker(self) -> WorkerSettings:
-        return WorkerSettings(
-            datacenter_id=self.datacenter_id,
-            layout=self.layout,
-            max_backwards_ms=self.max_backwards_ms,
-            sequence_start=self.sequence_start,
-            state_dir=self.state_dir,
-            max_startup_wait=self.max_startup_wait,
-            discard_corrupt_state=self.discard_corrupt_state,
-        )
+        return self._view(WorkerSettings)
 
     @property
     def ids(self) -> GeneratorSettings:
@@ -217,36 +209,11 @@ class ServerSettings:
 
     @property
     def cluster(self) -> ClusterSettings:
-        return ClusterSettings(
-            zookeeper=self.zookeeper,
-            zk_path=self.zk_path,
-            datacenter_id=self.datacenter_id,
-            worker_id=self.worker_id,
-            max_worker_id=self.layout.max_worker_id,
-            transport=self.transport,
-            host=self.host,
-            advertise_host=self.advertise_host,
-            advertise_port=self.advertise_port,
-            max_peer_skew=self.max_peer_skew,
-            skip_sanity_checks=self.skip_sanity_checks,
-            zk_session_timeout=self.zk_session_timeout,
-            zk_connect_timeout=self.zk_connect_timeout,
-        )
+        return self._view(ClusterSettings, max_worker_id=self.layout.max_worker_id)
 
     @property
     def thrift(self) -> ThriftSettings:
-        return ThriftSettings(
-            host=self.host,
-            port=self.port,
-            transport=self.transport,
-            idle_timeout=self.idle_timeout,
-            max_connections=self.max_connections,
-            max_frame_size=self.max_frame_size,
-            reuse_port=self.reuse_port,
-            tls_cert=self.tls_cert,
-            tls_key=self.tls_key,
-            tls_client_ca=self.tls_client_ca,
-        )
+        return self._view(ThriftSettings)
 
     @property
     def admin(self) -> AdminSettings:
@@ -255,6 +222,16 @@ class ServerSettings:
     @property
     def audit(self) -> AuditSettings:
         return AuditSettings(self.audit_log, self.audit_queue)
+
+    def _view(self, view: type[_View], **values: Any) -> _View:
+        """``view`` with each of its fields taken from the same-named setting, unless given."""
+        for f in fields(view):
+            if f.name not in values:
+                values[f.name] = getattr(self, f.name)
+        return view(**values)
+
+
+_View = TypeVar("_View", WorkerSettings, ClusterSettings, ThriftSettings)
 
 
 def layout_from(values: Any) -> Layout:

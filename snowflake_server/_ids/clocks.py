@@ -1,6 +1,7 @@
 """The real clocks and sleep that servers inject wherever time decides a branch.
 
-Tests inject fakes instead; nothing else in the server reads the time directly.
+Tests inject fakes instead. What else reads the time only measures how long
+something took (latency, a bounded wait), never what an id or the gate decides.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 from snowflake_thrift_client._transports import address_family
 
+from .._config.settings import AdminSettings
+from .._errors import ConfigurationError
+
 __all__ = ["AdminServer"]
 
 log = logging.getLogger(__name__)
@@ -25,10 +28,11 @@ Health = Callable[[], tuple[bool, dict[str, object]]]
 
 
 class AdminServer:
-    """Serves ``GET /metrics`` and ``GET /health`` on ``host:port`` in a background thread."""
+    """Serves ``GET /metrics`` and ``GET /health`` as ``settings`` say, in a background
+    thread. Raises ``ConfigurationError`` if the address cannot be used."""
 
     def __init__(
-        self, registry: CollectorRegistry, health: Health, *, host: str, port: int
+        self, registry: CollectorRegistry, health: Health, settings: AdminSettings
     ) -> None:
         self._registry = registry
         self._health = health
@@ -58,10 +62,14 @@ class AdminServer:
             def log_message(self, format: str, *args: object) -> None:  # noqa: A002
                 log.debug("admin %s " + format, self.client_address[0], *args)
 
+        host, port = settings.host, settings.port
         server_cls = type(
             "_AdminHTTPServer", (ThreadingHTTPServer,), {"address_family": address_family(host)}
         )
-        self._httpd = server_cls((host, port), _Handler)
+        try:
+            self._httpd = server_cls((host, port), _Handler)
+        except OSError as e:
+            raise ConfigurationError(f"cannot listen on {host}:{port}: {e}") from None
         self._httpd.daemon_threads = True
         # A short poll so that stop() returns quickly at shutdown.
         self._thread = threading.Thread(

@@ -94,7 +94,9 @@ class Worker:
         except BaseException:
             state.close()
             raise
-        return cls(generator, reservation, state, resume_after)
+        # The final mark is at least the resume point; after a first start with no id
+        # issued that is 0, not -1: no store takes a negative mark back.
+        return cls(generator, reservation, state, max(resume_after, 0))
 
     def close(self) -> None:
         """Stop for good: seal the generator, store the exact last mark, unlock."""

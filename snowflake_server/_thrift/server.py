@@ -306,7 +306,12 @@ class ThriftServer:
             record = self._connections.get(key)
             if record is not None:
                 record.sock = wrapped  # shut down the TLS socket at drain time
-        wrapped.do_handshake()
+        try:
+            wrapped.do_handshake()
+        except BaseException:
+            # wrap_socket detached `conn`: closing it closes nothing, so close this one.
+            wrapped.close()
+            raise
         return wrapped
 
     def _drain(self, grace_s: float) -> None:

@@ -17,14 +17,16 @@ from pathlib import Path
 import pytest
 from snowflake_thrift_client._idl import snowflake_thrift
 
-from tests.support import (
+from tests.support.endpoints import Endpoints
+from tests.support.processes import (
     FakeTime,
     ServerDidNotStart,
     ServerProcess,
     parse_metrics,
     start_server,
 )
-from tests.support.endpoints import Endpoints
+
+pytestmark = [pytest.mark.slow]
 
 thrift = snowflake_thrift()
 
@@ -114,7 +116,9 @@ def test_restart_with_the_clock_5_s_behind_waits(faketime: FakeTime, state_dir: 
         after = take(second)
         assert_after(after, before)
         wait = parse_metrics(second.metrics())["snowflake_startup_clock_wait_seconds"]
-        assert 4.0 < wait < 6.5
+        # 5 s behind, plus up to 1 s of reservation, less the time from the last id
+        # to the check at start-up (a slow interpreter start on a busy machine).
+        assert 3.0 < wait < 6.5
     finally:
         assert second.stop() == 0
 
@@ -128,8 +132,10 @@ def test_restart_with_the_clock_60_s_behind_is_refused(faketime: FakeTime, state
         start_server(state_dir=state_dir, env=faketime.env)
     assert info.value.returncode == 3
     # 60 s back, less the time since the last id.
-    assert re.search(r"refusing to start: the clock is 5\d\.\d{3} s behind", info.value.log)
-    assert re.search(r"--max-startup-wait 60 or more", info.value.log)
+    behind = re.search(r"refusing to start: the clock is (5\d\.\d{3}) s behind", info.value.log)
+    advice = re.search(r"--max-startup-wait (\d+) or more", info.value.log)
+    assert behind and advice, info.value.log
+    assert float(behind[1]) < int(advice[1]) <= 61, "the advice covers the whole gap"
     # Once the clock is fixed the worker starts and continues above its old ids.
     faketime.set("+0")
     fixed = start_server(state_dir=state_dir, env=faketime.env)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,9 @@ from thriftpy2.protocol import TBinaryProtocol
 from thriftpy2.thrift import TApplicationException, TClient
 from thriftpy2.transport import TMemoryBuffer, TTransportException
 
-from tests.support import DATA, ServerProcess, parse_metrics, start_server
 from tests.support.endpoints import Endpoints
+from tests.support.processes import DATA, ServerProcess, parse_metrics, start_server
+from tests.support.waiting import wait_until
 
 thrift = snowflake_thrift()
 
@@ -183,10 +183,8 @@ def test_fuzz_leaves_the_server_serving(strategy: Any) -> None:
         assert server.process.poll() is None
         assert fuzz.good.get_id("still-here") > 0 and server.raw_client().get_id("new") > 0
         assert rss_kib(server) - before < 20_000, "memory does not grow with hostile input"
-        deadline = time.monotonic() + 5
-        while threads(server) > baseline_threads + 1 and time.monotonic() < deadline:
-            time.sleep(0.05)  # connection threads end as their sockets close
-        assert threads(server) <= baseline_threads + 1
+        # Connection threads end as their sockets close.
+        wait_until(lambda: threads(server) <= baseline_threads + 1, "connection threads ended", 5)
     finally:
         assert server.stop() == 0
 
@@ -207,10 +205,11 @@ def test_connections_beyond_the_limit_are_refused_cleanly() -> None:
         assert counts["snowflake_connections_open"] == 20
         for conn in idle:
             conn.close()
-        deadline = time.monotonic() + 5
-        while parse_metrics(server.metrics())["snowflake_connections_open"] > 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(
+            lambda: parse_metrics(server.metrics())["snowflake_connections_open"] <= 1,
+            "the closed connections counted out",
+            5,
+        )
         assert server.raw_client().get_id("room-again") > 0
     finally:
         assert server.stop() == 0

@@ -29,9 +29,11 @@ import pytest
 
 from snowflake_server import TWITTER_EPOCH_MS, decompose
 from snowflake_server._ids.clocks import wall_clock_ms
-from tests.support import DATA, FakeTime, parse_metrics, start_server
 from tests.support.endpoints import Endpoints
 from tests.support.inprocess import InProcessServer
+from tests.support.processes import DATA, FakeTime, parse_metrics, start_server
+
+pytestmark = [pytest.mark.interop, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENTS = REPO / "clients"
@@ -151,15 +153,11 @@ class Conversation:
     """An interop program's JSON lines, read with a deadline; stdin answers its waits."""
 
     def __init__(self, program: Program, args: list[str], deadline_s: float = 60.0) -> None:
+        pipe = subprocess.PIPE  # stdin answers its waits, stdout and stderr are read
         self.process = subprocess.Popen(
-            [*program.interop, *args],
-            cwd=program.cwd,
-            env=program.env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+            [*program.interop, *args], cwd=program.cwd, env=program.env, text=True,
+            stdin=pipe, stdout=pipe, stderr=pipe,
+        )  # fmt: skip
         self.deadline = time.monotonic() + deadline_s
         self.lines: list[dict[str, Any]] = []
         self._pending = b""

@@ -15,8 +15,8 @@ from snowflake_thrift_client._transports import binary_protocol, server_socket
 from thriftpy2.thrift import TClient
 from thriftpy2.transport import TTransportException
 
-from tests.support import ServerDidNotStart, ServerProcess, parse_metrics, start_server
 from tests.support.endpoints import Endpoints
+from tests.support.processes import ServerDidNotStart, ServerProcess, parse_metrics, start_server
 
 
 class Pki:

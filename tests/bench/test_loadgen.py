@@ -1,4 +1,4 @@
-"""``snowflake bench`` against a real server: the figures are sane (never how fast)."""
+"""The load generator (``python -m bench.loadgen``) on a real server: sane figures, never speed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from bench import loadgen as bench
 from bench.loadgen import Histogram
-from tests.support import start_server
+from tests.support.processes import start_server
 
 
 def test_bench_reports_sane_json(capsys: pytest.CaptureFixture[str]) -> None:

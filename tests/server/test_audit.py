@@ -8,7 +8,8 @@ from pathlib import Path
 
 from snowflake_server import decompose
 from snowflake_server._observability.audit import AuditLog
-from tests.support import parse_metrics, start_server
+from tests.support.processes import parse_metrics, start_server
+from tests.support.waiting import wait_until
 
 
 def test_every_issued_id_is_written_once(tmp_path: Path) -> None:
@@ -16,10 +17,11 @@ def test_every_issued_id_is_written_once(tmp_path: Path) -> None:
     server = start_server("--audit-log", str(path))
     client = server.raw_client()
     issued = [client.get_id("alpha") for _ in range(3)] + client.get_ids("beta", 100)
-    deadline = time.monotonic() + 5
-    while parse_metrics(server.metrics())["snowflake_audit_entries_written_total"] < 103:
-        assert time.monotonic() < deadline, "written within a moment"
-        time.sleep(0.02)
+    wait_until(
+        lambda: parse_metrics(server.metrics())["snowflake_audit_entries_written_total"] >= 103,
+        "all 103 entries written",
+        timeout_s=5,
+    )
     assert server.stop() == 0
     entries = [json.loads(line) for line in path.read_text().splitlines()]
     assert [int(e["id"]) for e in entries] == issued
@@ -53,7 +55,7 @@ def test_a_full_queue_drops_and_counts_instead_of_waiting(tmp_path: Path) -> Non
 
 
 def test_an_unwritable_audit_log_is_a_start_up_error(tmp_path: Path) -> None:
-    from tests.support import ServerDidNotStart
+    from tests.support.processes import ServerDidNotStart
 
     try:
         start_server("--audit-log", str(tmp_path / "no-such-dir" / "audit.jsonl"))

@@ -20,7 +20,7 @@ from snowflake_server import (
     TimestampOverflowError,
     decompose,
 )
-from tests.support import FakeClock
+from tests.support.fakes import FakeClock
 
 T0 = 1_700_000_000_000
 

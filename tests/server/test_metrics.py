@@ -13,8 +13,8 @@ from snowflake_thrift_client._transports import Transport
 from snowflake_server import GeneratorSettings, IdGenerator
 from snowflake_server._observability.metrics import OVERFLOW_AGENT, ServiceMetrics
 from snowflake_server._thrift.handler import service_methods
-from tests.support import parse_metrics, start_server
 from tests.support.inprocess import InProcessServer
+from tests.support.processes import parse_metrics, start_server
 
 
 def make_metrics(max_agents: int = 100) -> tuple[IdGenerator, ServiceMetrics]:

@@ -15,7 +15,7 @@ from snowflake_server import (
 )
 from snowflake_server._state.reservation import Reservation, wait_for_clock
 from snowflake_server._state.statefile import StateFile
-from tests.support import FakeClock
+from tests.support.fakes import FakeClock
 
 T0 = 1_700_000_000_000
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,10 +16,12 @@ from snowflake_thrift_client._idl import snowflake_thrift
 from thriftpy2.thrift import TApplicationException
 from thriftpy2.transport import TTransportException
 
-from snowflake_server import decompose
+from snowflake_server import ServerSettings, decompose
 from snowflake_server._ids.clocks import wall_clock_ms
-from tests.support import DATA, parse_metrics, start_server, twitter_idl
+from tests.support.fakes import FakeClock
 from tests.support.inprocess import InProcessServer
+from tests.support.processes import DATA, parse_metrics, start_server, twitter_idl
+from tests.support.waiting import wait_until
 
 thrift = snowflake_thrift()
 
@@ -114,49 +117,41 @@ def test_garbage_bytes_leave_the_server_serving_others(server: InProcessServer) 
         assert counts[f'snowflake_exceptions_total{{kind="{kind}"}}'] == expected, kind
 
 
+@pytest.mark.slow
 def test_an_idle_client_is_not_dropped_after_3_seconds(server: InProcessServer) -> None:
     client = server.raw_client(timeout_s=10)
     first = client.get_id("idle")
-    time.sleep(3.5)  # the thing under test is the passage of time
+    time.sleep(3.5)  # the thing under test is the passage of real time (thriftpy2 drops at 3 s)
     assert client.get_id("idle") > first
 
 
-def test_idle_timeout_closes_quiet_connections() -> None:
-    server = start_server("--idle-timeout", "0.3")
-    try:
-        client = server.raw_client()
-        client.get_id("quiet")
-        time.sleep(1.0)
-        with pytest.raises((TTransportException, OSError)):
-            client.get_id("quiet")
+def test_idle_timeout_closes_quiet_connections(tmp_path: Path) -> None:
+    with InProcessServer(ServerSettings(idle_timeout=0.2), tmp_path) as server:
+        with socket.create_connection((server.host, server.port), timeout=5) as quiet:
+            started = time.monotonic()
+            assert quiet.recv(1) == b"", "the server closes the connection"
+            assert 0.15 < time.monotonic() - started < 4
         assert server.raw_client().get_id("fresh") > 0
-    finally:
-        assert server.stop() == 0
 
 
-def test_internal_errors_reach_the_client_as_application_errors() -> None:
-    # A layout whose 20 timestamp bits run out ~4 s after the server starts.
-    epoch = wall_clock_ms() - 2**20 + 4000
-    server = start_server("--epoch", str(epoch), "--timestamp-bits", "20")
-    try:
+def test_internal_errors_reach_the_client_as_application_errors(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock(wall_clock_ms())
+    # A layout whose 20 timestamp bits run out 1 s (of the fake clock) after the start.
+    settings = ServerSettings(epoch=clock() - 2**20 + 1000, timestamp_bits=20)
+    with InProcessServer(settings, tmp_path, clock=clock) as server:
         client = server.raw_client()
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            try:
-                client.get_id("overflow")
-            except TApplicationException as e:
-                assert e.type == TApplicationException.INTERNAL_ERROR
-                assert "TimestampOverflowError" in str(e)
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the layout never ran out")
+        assert client.get_id("overflow") > 0
+        clock.now += 2000
+        with pytest.raises(TApplicationException) as raised:
+            client.get_id("overflow")
+        assert raised.value.type == TApplicationException.INTERNAL_ERROR
+        assert "TimestampOverflowError" in str(raised.value)
         assert client.get_worker_id() == 0, "the connection stays usable"
         counts = parse_metrics(server.metrics())
         assert counts['snowflake_exceptions_total{kind="internal_error"}'] == 1
-    finally:
-        assert server.stop() == 0
-    assert "internal error in get_id" in server.log()
+    assert "internal error in get_id" in caplog.text
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -179,8 +174,7 @@ def test_signal_stops_within_2_seconds_and_lets_calls_finish(sig: int) -> None:
 
     thread = threading.Thread(target=hammer)
     thread.start()
-    while len(results) < 4096 * 3:
-        time.sleep(0.01)
+    wait_until(lambda: len(results) >= 4096 * 3, "three batches served")
     started = time.monotonic()
     server.process.send_signal(sig)
     code = server.process.wait(5)

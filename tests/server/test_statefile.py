@@ -97,6 +97,7 @@ _WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 15 real processes killed mid-write
 def test_a_crash_at_any_instant_leaves_a_whole_file(tmp_path: Path) -> None:
     for round_ in range(15):
         directory = tmp_path / str(round_)

@@ -5,15 +5,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from snowflake_server import decompose, load_settings
 from snowflake_server._app.supervisor import child_argv
-from tests.support import Load, ServerDidNotStart, ServerProcess, parse_metrics, start_server
+from tests.support.processes import (
+    Load,
+    ServerDidNotStart,
+    ServerProcess,
+    child_pids,
+    parse_metrics,
+    start_server,
+)
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
@@ -27,10 +33,7 @@ def test_connections_spread_over_processes_with_their_own_worker_ids(pair: Serve
     workers = {decompose(pair.raw_client().get_id("spread")).worker_id for _ in range(40)}
     assert workers == {3, 4}, "the kernel spreads new connections over both processes"
     with Load([pair], per_server=4) as load:
-        deadline = time.monotonic() + 20
-        while load.count() < 20_000:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: load.count() >= 20_000, "20,000 ids from 4 clients")
     assert load.duplicates() == 0 and not load.errors
 
 
@@ -47,20 +50,11 @@ def test_one_metrics_port_for_all_processes(pair: ServerProcess) -> None:
 
 
 def test_a_dead_process_is_restarted(pair: ServerProcess) -> None:
-    children = subprocess.run(
-        ["ps", "-o", "pid=,args=", "--ppid", str(pair.process.pid)],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    worker_pid = next(
-        int(line.split()[0]) for line in children.splitlines() if "snowflake_server" in line
+    os.kill(child_pids(pair.process.pid)[0], signal.SIGKILL)
+    wait_until(
+        lambda: "restarting it" in pair.log() and pair.http_get("/health")[0] == 200,
+        "the supervisor restarts the killed process",
     )
-    os.kill(worker_pid, signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    while pair.http_get("/health")[0] != 200 or not any(
-        "restarting it" in line for line in pair.log().splitlines()
-    ):
-        assert time.monotonic() < deadline, pair.log()
-        time.sleep(0.1)
     workers = {decompose(pair.raw_client().get_id("again")).worker_id for _ in range(40)}
     assert workers == {3, 4}
 

@@ -1,4 +1,4 @@
-"""Fakes for what decides a branch in time: a clock, and its sleep."""
+"""Fakes for what decides a branch in time: clocks, and a sleep that moves one."""
 
 from __future__ import annotations
 
@@ -16,3 +16,16 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
         self.now += seconds * 1000
+
+
+class SecondsClock:
+    """A clock in float seconds (a monotonic or boot clock), moved by the test."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

@@ -165,6 +165,20 @@ def start_server(
     raise ServerDidNotStart(process.returncode, log)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, from /proc (no ``ps``: procps may be absent)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name may hold spaces and parentheses: fields start after the last ')'.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return sorted(children)
+
+
 def twitter_idl() -> Any:
     """Twitter's original IDL (no ``throws``), as a thriftpy2 module."""
     return thriftpy2.load(str(DATA / "twitter_snowflake.thrift"), module_name="twitter_sf_thrift")

@@ -2,7 +2,7 @@
 
     python clients/python/apache/interop.py HOST PORT framed|buffered
 
-Prints one JSON object a line (ids as decimal strings) for tests/test_interop.py.
+Prints one JSON object a line (ids as decimal strings) for tests/acceptance/test_interop.py.
 Everything happens on ONE connection. Each {"step": "waiting"} line is followed by
 reading a line from stdin: meanwhile the test steps the server's clock back, then
 restores it.

@@ -23,20 +23,11 @@ from __future__ import annotations
 
 from importlib import resources
 
+from . import _errors
 from ._address import DEFAULT_PORT, ServerAddress, parse_server
 from ._client import DEFAULT_AGENT, SnowflakeClient
 from ._discovery import ZooKeeperDiscovery
-from ._errors import (
-    CallFailedError,
-    ClockMovedBackwardsError,
-    ConfigurationError,
-    InvalidCountError,
-    InvalidUserAgentError,
-    NoServerAvailableError,
-    RequestError,
-    SnowflakeError,
-    UnavailableError,
-)
+from ._errors import *  # noqa: F403 - the whole error tree is public
 from ._layout import DEFAULT_LAYOUT, TWITTER_EPOCH_MS, DecodedId, Layout, compose, decompose
 from ._pool import Discovery, SnowflakePool
 from ._tls import client_context
@@ -45,25 +36,17 @@ __version__ = resources.files(__name__).joinpath("VERSION").read_text(encoding="
 """The version of the client and of the server, read from the one ``VERSION`` file."""
 
 __all__ = [
+    *_errors.__all__,
     "DEFAULT_AGENT",
     "DEFAULT_LAYOUT",
     "DEFAULT_PORT",
     "TWITTER_EPOCH_MS",
-    "CallFailedError",
-    "ClockMovedBackwardsError",
-    "ConfigurationError",
     "DecodedId",
     "Discovery",
-    "InvalidCountError",
-    "InvalidUserAgentError",
     "Layout",
-    "NoServerAvailableError",
-    "RequestError",
     "ServerAddress",
     "SnowflakeClient",
-    "SnowflakeError",
     "SnowflakePool",
-    "UnavailableError",
     "ZooKeeperDiscovery",
     "__version__",
     "client_context",

@@ -50,16 +50,16 @@ class SnowflakePool(Closing):
 
     **Failover.** If a call fails with a :class:`CallFailedError` (no connection,
     a timeout, a dropped connection...) or with a declared error that says this
-    node cannot serve now, such as :class:`~snowflake_server.ClockMovedBackwardsError`
-    (another node may have a good clock), it is retried on another server, up to
-    ``attempts`` tries in all (default: one per server, plus one). A server that
-    failed is tried last for the next ``retry_failed_after`` seconds. A failure
-    on a connection that sat idle in the pool (the server may have closed it) is
-    retried on a fresh connection without counting as an attempt. When every
-    attempt failed, :class:`NoServerAvailableError` is raised. The caller's own
-    errors, :class:`~snowflake_server.InvalidUserAgentError` and
-    :class:`~snowflake_server.InvalidCountError`, are raised at once: every
-    server would refuse them.
+    node cannot serve now, such as :class:`ClockMovedBackwardsError` (another
+    node may have a good clock) or :class:`UnavailableError`, it is retried on
+    another server, up to ``attempts`` tries in all (default: one per server,
+    plus one). A server that failed is tried last for the next
+    ``retry_failed_after`` seconds. A failure on a connection that sat idle in
+    the pool (the server may have closed it) is retried on a fresh connection
+    without counting as an attempt. When every attempt failed,
+    :class:`NoServerAvailableError` is raised. The caller's own errors,
+    :class:`InvalidUserAgentError` and :class:`InvalidCountError`, are raised at
+    once: every server would refuse them.
 
     **Prefetch.** With ``prefetch=N`` (N > 0), :meth:`next_id` hands out ids from
     a local buffer, refilled by one ``get_ids(N)`` call when empty: one round
@@ -72,6 +72,12 @@ class SnowflakePool(Closing):
     handed out, but only while they come from one server: after a failover they
     come from another worker. :meth:`next_ids` and calls with another ``agent``
     always go to the server.
+
+    **Clock.** ``clock`` returns seconds that only go forward (``time.monotonic``
+    by default); every wait above is measured with it: ``retry_failed_after``,
+    ``refresh_interval`` and ``prefetch_max_age``. Pass another one to let time
+    pass on demand, in tests say. Socket timeouts are real time whatever ``clock``
+    says: the operating system applies them.
     """
 
     def __init__(
@@ -89,6 +95,7 @@ class SnowflakePool(Closing):
         prefetch: int = 0,
         prefetch_max_age: float | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ConfigurationError(
@@ -100,6 +107,10 @@ class SnowflakePool(Closing):
             raise ConfigurationError(f"pool_size must be 0 or more, got {pool_size!r}")
         if not (isinstance(prefetch, int) and prefetch >= 0):
             raise ConfigurationError(f"prefetch must be 0 (off) or a batch size, got {prefetch!r}")
+        if not callable(clock):
+            raise ConfigurationError(
+                f"clock must be a callable that returns seconds, got {clock!r}"
+            )
         self.agent = agent
         self.transport: Transport = transport
         self.timeout = positive_seconds("timeout", timeout)
@@ -112,6 +123,7 @@ class SnowflakePool(Closing):
         self.refresh_interval = positive_seconds("refresh_interval", refresh_interval)
         self.prefetch = prefetch
         self.ssl_context = ssl_context
+        self._clock = clock
         self.prefetch_max_age = (
             None
             if prefetch_max_age is None
@@ -168,14 +180,14 @@ class SnowflakePool(Closing):
             if (
                 buffer
                 and self.prefetch_max_age is not None
-                and time.monotonic() - self._buffer_filled_at > self.prefetch_max_age
+                and self._clock() - self._buffer_filled_at > self.prefetch_max_age
             ):
                 buffer.clear()
             if not buffer:
                 ids = self._call("get_ids", self.agent, self.prefetch)
                 if not ids:
                     raise NoServerAvailableError("get_ids returned no ids")
-                self._buffer_filled_at = time.monotonic()
+                self._buffer_filled_at = self._clock()
                 buffer.extend(int(i) for i in ids)
             return buffer.popleft()
 
@@ -203,11 +215,11 @@ class SnowflakePool(Closing):
         if self._discover is None:
             return self._servers
         # One thread asks; the others go on with the list they have, if any.
-        if time.monotonic() - self._refreshed_at >= self.refresh_interval and (
+        if self._clock() - self._refreshed_at >= self.refresh_interval and (
             self._refresh_lock.acquire(blocking=not self._servers)
         ):
             try:
-                if time.monotonic() - self._refreshed_at >= self.refresh_interval:
+                if self._clock() - self._refreshed_at >= self.refresh_interval:
                     self._refresh()
             finally:
                 self._refresh_lock.release()
@@ -222,7 +234,7 @@ class SnowflakePool(Closing):
             if not found:
                 raise ConfigurationError("discovery found no servers")
         except Exception as e:
-            self._refreshed_at = time.monotonic()  # ask again after refresh_interval
+            self._refreshed_at = self._clock()  # ask again after refresh_interval
             self._discovery_error = e
             if not self._servers:
                 raise NoServerAvailableError(f"server discovery failed: {e}") from e
@@ -231,7 +243,7 @@ class SnowflakePool(Closing):
             return
         with self._lock:
             self._servers = found
-            self._refreshed_at = time.monotonic()
+            self._refreshed_at = self._clock()
             known = {server.address for server in found}
             # Servers that left are forgotten, so that churn cannot grow this without end.
             self._down_until = {a: t for a, t in self._down_until.items() if a in known}
@@ -244,7 +256,7 @@ class SnowflakePool(Closing):
         self, servers: tuple[Server, ...], tried: set[str]
     ) -> tuple[SnowflakeClient, bool]:
         """A connection (and whether it was idle in the pool) to the best server to try next."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             if self._closed:
                 raise RuntimeError("this SnowflakePool is closed")
@@ -291,7 +303,7 @@ class SnowflakePool(Closing):
     def _failed(self, address: str, *, drop_idle: bool) -> None:
         """Try ``address`` last for a while; with ``drop_idle``, close its idle connections."""
         with self._lock:
-            self._down_until[address] = time.monotonic() + self.retry_failed_after
+            self._down_until[address] = self._clock() + self.retry_failed_after
             stale = [c for c in self._idle if c.address == address] if drop_idle else []
             self._idle = [c for c in self._idle if c not in stale]
         for client in stale:

@@ -1,0 +1,635 @@
+"""Cluster membership in this process, against a real ZooKeeper.
+
+Session states are driven as kazoo's own test harness drives them (a forced
+session expiry, a dropped connection) or by stopping ZooKeeper; the session
+gate runs on a fake clock the tests move; the supervision thread's checks
+(``_tick``) are called by the tests, so nothing waits for time to pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kazoo.client import KazooClient, KazooState
+from kazoo.protocol.connection import _CONNECTION_DROP, _SESSION_EXPIRED
+from kazoo.security import make_acl, make_digest_acl
+
+from snowflake_server import (
+    ServerSettings,
+    StartupRefused,
+    UnavailableError,
+    decompose,
+)
+from snowflake_server._cluster.membership import Cluster, advertised_address
+from snowflake_server._state.reservation import MarkStore
+from snowflake_server._state.worker import Worker, WorkerSlot
+from tests.support.fakes import FakeClock, SecondsClock
+from tests.support.zookeeper import ZooKeeper, free_port
+
+pytestmark = pytest.mark.zookeeper
+
+T0 = 1_700_000_000_000  # the ids' clock (fake), in whole seconds
+SESSION = 4.0  # s: --zk-session-timeout
+OPEN_FOR = 0.9 * SESSION  # how long a heartbeat lets the node serve
+UNREACHABLE = "ZooKeeper unreachable for longer than the session allows"
+
+
+# -- fakes and observers --------------------------------------------------------
+
+
+class States:
+    """The session states a client entered, awaited without sleeping."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self._from = 0
+        self._changed = threading.Condition()
+
+    def saw(self, state: str) -> None:
+        with self._changed:
+            self.seen.append(state)
+            self._changed.notify_all()
+
+    def wait_for(self, *expected: str, timeout_s: float = 10.0) -> None:
+        """Until ``expected`` were entered in this order (since the last wait)."""
+
+        def found() -> bool:
+            rest = iter(self.seen[self._from :])
+            return all(any(state == want for state in rest) for want in expected)
+
+        with self._changed:
+            assert self._changed.wait_for(found, timeout_s), (
+                f"expected {expected}, saw {self.seen[self._from :]}"
+            )
+            self._from = len(self.seen)
+
+
+class WatchedClient(KazooClient):  # type: ignore[misc]
+    """A real kazoo client that tells the test each state it enters, once every
+    listener (the cluster's among them) has been told: kazoo keeps its listeners
+    in a set, so a listener of the test's own could run before the cluster's."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.states = States()
+
+    def _make_state_change(self, state: str) -> None:
+        changed = state != self.state
+        super()._make_state_change(state)
+        if changed:
+            self.states.saw(state)
+
+
+class LogEvents(logging.Handler):
+    """Log messages of the cluster, awaited from the supervision thread."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+        self._logged = threading.Condition()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._logged:
+            self.messages.append(record.getMessage())
+            self._logged.notify_all()
+
+    def wait_for(self, text: str, timeout_s: float = 10.0) -> str:
+        def match() -> str | None:
+            return next((m for m in self.messages if text in m), None)
+
+        with self._logged:
+            found = self._logged.wait_for(match, timeout_s)
+        assert found, f"no log message with {text!r} in {timeout_s:g} s: {self.messages}"
+        return found
+
+
+@dataclass
+class Member:
+    """One cluster node in this process: its ``Cluster``, slot and fakes."""
+
+    cluster: Cluster
+    slot: WorkerSlot
+    gate: SecondsClock
+    clock: FakeClock
+    address: str
+    clients: list[WatchedClient] = field(default_factory=list)
+    sleeps: list[float] = field(default_factory=list)
+
+    @property
+    def client(self) -> WatchedClient:
+        """The client made last (the cluster's, unless it failed to connect)."""
+        return self.clients[-1]
+
+    @property
+    def worker_id(self) -> int | None:
+        worker = self.slot.worker
+        return None if worker is None else worker.worker_id
+
+    def join(self) -> Member:
+        """What the node does once its port is bound: connect and register (the peer
+        checks have tests of their own; the addresses here do not answer)."""
+        self.cluster.connect()
+        self.cluster.register()
+        return self
+
+    def tick(self) -> None:
+        """One check of the supervision thread."""
+        self.cluster._tick()
+
+
+Make = Callable[..., Member]
+
+
+# -- fixtures -------------------------------------------------------------------
+
+
+@pytest.fixture
+def member(zookeeper: ZooKeeper, zk_path: str, tmp_path: Path) -> Iterator[Make]:
+    """``member(**settings)``: a node built as ``clustered()`` builds one, each with
+    its own state directory (its own host); all closed after the test."""
+    made: list[Member] = []
+
+    def make(
+        *, hosts: str | None = None, supervise_every: float = 3600.0, **overrides: Any
+    ) -> Member:
+        defaults: dict[str, Any] = {
+            "zookeeper": hosts or zookeeper.hosts,
+            "zk_path": zk_path,
+            "state_dir": str(tmp_path / f"host{len(made)}"),
+            "zk_session_timeout": SESSION,
+            "zk_connect_timeout": 5.0,
+        }
+        settings = ServerSettings(**{**defaults, **overrides})
+        gate, clock = SecondsClock(), FakeClock(T0)
+        slot = WorkerSlot(settings.ids, clock=gate)
+
+        def open_worker(worker_id: int, remote: tuple[MarkStore, int]) -> Worker:
+            return Worker.open(
+                settings.worker, worker_id, clock=clock, sleep=clock.sleep, remote=remote
+            )
+
+        clients: list[WatchedClient] = []
+        sleeps: list[float] = []
+
+        def client_factory(**kwargs: Any) -> WatchedClient:
+            client = WatchedClient(**kwargs)
+            clients.append(client)
+            return client
+
+        address = f"127.0.0.1:{free_port()}"
+        cluster = Cluster(
+            settings.cluster,
+            slot,
+            clock,
+            address,
+            open_worker=open_worker,
+            client_factory=client_factory,
+            gate=gate,
+            sleep=sleeps.append,
+            supervise_every=supervise_every,
+        )
+        node = Member(cluster, slot, gate, clock, address, clients, sleeps)
+        made.append(node)
+        return node
+
+    yield make
+    for node in made:
+        node.cluster.close()
+        for client in node.clients:
+            client.stop()
+            client.close()
+
+
+# -- helpers --------------------------------------------------------------------
+
+
+def hold(zk: KazooClient, path: str, address: str = "10.0.0.9:7609") -> None:
+    """Register ``path`` as another node's (ephemeral, in ``zk``'s session)."""
+    zk.create(path, address.encode(), ephemeral=True, makepath=True)
+
+
+def owner(zk: KazooClient, path: str) -> int | None:
+    stat = zk.exists(path)
+    return None if stat is None else int(stat.ephemeralOwner)
+
+
+def session_of(node: Member) -> int:
+    return int(node.client.client_id[0])
+
+
+def mark(zk: KazooClient, path: str) -> int:
+    return int(zk.get(path)[0].decode())
+
+
+def end_session(zookeeper: ZooKeeper, client_id: tuple[int, bytes]) -> None:
+    """What ZooKeeper does once a session left behind times out, done now: open
+    that session from another client, then close it (its nodes go with it)."""
+    twin = KazooClient(hosts=zookeeper.hosts, client_id=client_id, timeout=SESSION)
+    twin.start(timeout=10)
+    twin.stop()
+    twin.close()
+
+
+def expire(node: Member) -> tuple[int, bytes]:
+    """Expire the node's session as kazoo's test harness does (LOST, then a new
+    session); returns the old session, which ZooKeeper keeps until it times out."""
+    old: tuple[int, bytes] = node.client.client_id
+    node.client._call(_SESSION_EXPIRED, None)
+    node.client.states.wait_for(KazooState.LOST, KazooState.CONNECTED)
+    return old
+
+
+def samples(cluster: Cluster) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for family in cluster.collect():
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            found[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return found
+
+
+def events(cluster: Cluster) -> dict[str, float]:
+    counts = samples(cluster)
+    return {
+        state: counts[f'snowflake_zookeeper_session_events_total{{state="{state}"}}']
+        for state in ("connected", "suspended", "lost")
+    }
+
+
+@pytest.fixture
+def log_events() -> Iterator[LogEvents]:
+    handler = LogEvents()
+    logger = logging.getLogger("snowflake_server._cluster.membership")
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)
+
+
+# -- registration ---------------------------------------------------------------
+
+
+def test_a_static_id_is_registered_and_served(member: Make, zk: KazooClient, zk_path: str) -> None:
+    node = member(worker_id=3)
+    node.cluster.connect()
+    node.cluster.check_peers()  # nobody registered yet
+    node.cluster.register()
+    path = f"{zk_path}/nodes/0/3"
+    data, stat = zk.get(path)
+    assert data.decode() == node.address
+    assert stat.ephemeralOwner == session_of(node)
+    assert mark(zk, f"{zk_path}/marks/0/3") == T0 + 2000, "reserved ahead in ZooKeeper too"
+    assert node.slot.serving and node.slot.open_until == node.gate.now + OPEN_FOR
+    assert decompose(node.slot.next_id()).worker_id == 3
+    assert node.sleeps == [] and node.cluster.registrations == 1
+    assert node.cluster.health() == (True, {"zookeeper": "CONNECTED", "registered": path})
+    counts = samples(node.cluster)
+    assert counts["snowflake_zookeeper_registered"] == 1
+    assert counts["snowflake_serving"] == 1
+    assert counts["snowflake_zookeeper_last_contact_age_seconds"] == 0
+    assert counts["snowflake_zookeeper_registrations_total"] == 1
+    assert counts["snowflake_zookeeper_client_restarts_total"] == 0
+    assert events(node.cluster) == {"connected": 1, "suspended": 0, "lost": 0}
+
+
+def test_auto_takes_the_lowest_free_id(member: Make, zk: KazooClient, zk_path: str) -> None:
+    hold(zk, f"{zk_path}/nodes/0/0")
+    hold(zk, f"{zk_path}/nodes/0/2")
+    first = member(worker_id=-1).join()
+    second = member(worker_id=-1).join()
+    assert (first.worker_id, second.worker_id) == (1, 3)
+    assert decompose(second.slot.next_id()).worker_id == 3
+    assert zk.get(f"{zk_path}/nodes/0/1")[0].decode() == first.address
+
+
+def test_a_held_static_id_is_refused_after_two_retries(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    hold(zk, f"{zk_path}/nodes/0/5", "10.0.0.9:7609")
+    node = member(worker_id=5)
+    with pytest.raises(StartupRefused) as info:
+        node.join()
+    assert str(info.value).startswith(
+        f"worker id 5 of datacenter 0 is registered by 10.0.0.9:7609 ({zk_path}/nodes/0/5); "
+        "two nodes with one worker id would hand out the same ids"
+    )
+    assert node.sleeps == [1.0, 1.0], "Twitter's two retries, 1 s apart (our own ghost?)"
+    assert not node.slot.serving and node.worker_id is None
+
+
+def test_a_holder_we_may_not_read_is_named_another_node(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    zk.ensure_path(f"{zk_path}/nodes/0")
+    secret = [make_digest_acl("someone", "else", all=True)]
+    zk.create(f"{zk_path}/nodes/0/5", b"10.0.0.9:7609", acl=secret, ephemeral=True)
+    with pytest.raises(StartupRefused, match="is registered by another node"):
+        member(worker_id=5).join()
+
+
+def test_our_own_node_from_a_create_whose_reply_was_lost_counts_as_taken(
+    member: Make, zk_path: str
+) -> None:
+    node = member(worker_id=4)
+    node.cluster.connect()
+    # The create reached ZooKeeper but its reply did not reach us: the retry finds it.
+    node.client.create(f"{zk_path}/nodes/0/4", b"", ephemeral=True, makepath=True)
+    node.cluster.register()
+    assert node.worker_id == 4 and node.slot.serving and node.sleeps == []
+
+
+def test_out_of_worker_ids_is_a_clear_refusal(member: Make, zk: KazooClient, zk_path: str) -> None:
+    narrow = {"worker_id": -1, "worker_id_bits": 1, "datacenter_id_bits": 9}
+    hold(zk, f"{zk_path}/nodes/0/0")
+    member(**narrow).join()
+    with pytest.raises(StartupRefused) as info:
+        member(**narrow).join()
+    assert str(info.value) == (
+        f"all 2 worker ids of datacenter 0 are leased ({zk_path}/nodes/0); widen "
+        "--worker-id-bits or use another datacenter id"
+    )
+
+
+def test_a_mark_that_is_not_a_number_refuses_and_leaves_no_node(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    zk.create(f"{zk_path}/marks/0/3", b"garbage", makepath=True)
+    node = member(worker_id=3)
+    with pytest.raises(StartupRefused, match="is not a number"):
+        node.join()
+    assert zk.exists(f"{zk_path}/nodes/0/3") is None, "the registration was taken back"
+    assert not node.slot.serving
+
+
+def test_unreachable_zookeeper_is_refused_within_the_connect_timeout(member: Make) -> None:
+    hosts = f"127.0.0.1:{free_port()}"
+    node = member(hosts=hosts, zk_connect_timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(StartupRefused) as info:
+        node.cluster.connect()
+    assert time.monotonic() - started < 5
+    assert str(info.value).startswith(
+        f"cannot reach ZooKeeper at {hosts} within 0.5 s (--zk-connect-timeout)"
+    )
+    assert node.cluster.client is None and not node.client.connected, "stopped, not left trying"
+    assert node.cluster.health() == (
+        False,
+        {"zookeeper": "NONE", "registered": None, "reason": "not registered yet"},
+    )
+    counts = samples(node.cluster)
+    assert counts["snowflake_zookeeper_registered"] == 0
+    assert counts["snowflake_zookeeper_last_contact_age_seconds"] == float("inf")
+    node.cluster.close()  # nothing to close
+
+
+def test_the_advertised_address() -> None:
+    def address(bound_port: int, **overrides: Any) -> str:
+        settings = ServerSettings(zookeeper="127.0.0.1:2181", **overrides)
+        return advertised_address(settings.cluster, bound_port)
+
+    assert address(7609) == "127.0.0.1:7609"
+    assert address(7609, advertise_host="ids.example", advertise_port=443) == "ids.example:443"
+    assert address(7000, host="0.0.0.0") == f"{socket.getfqdn()}:7000"
+
+
+# -- keeping it safe ------------------------------------------------------------
+
+
+def test_the_gate_closes_without_a_heartbeat_and_opens_with_one(member: Make) -> None:
+    node = member(worker_id=2).join()
+    node.gate.advance(OPEN_FOR)
+    assert node.slot.serving, "up to the deadline"
+    node.gate.advance(0.001)
+    assert not node.slot.serving
+    with pytest.raises(UnavailableError, match=UNREACHABLE):
+        node.slot.next_id()
+    healthy, details = node.cluster.health()
+    assert not healthy and details["reason"] == UNREACHABLE
+    counts = samples(node.cluster)
+    assert counts["snowflake_serving"] == 0
+    assert counts["snowflake_zookeeper_registered"] == 1, "still registered, just not proven"
+    assert counts["snowflake_zookeeper_last_contact_age_seconds"] == pytest.approx(OPEN_FOR + 0.001)
+    node.tick()  # a heartbeat: ZooKeeper confirms the node is ours
+    assert node.slot.serving and node.slot.open_until == node.gate.now + OPEN_FOR
+    assert samples(node.cluster)["snowflake_zookeeper_last_contact_age_seconds"] == 0
+
+
+def test_a_lost_session_stops_ids_at_once_and_the_id_is_registered_again(
+    member: Make, zookeeper: ZooKeeper, zk: KazooClient, zk_path: str
+) -> None:
+    node = member(worker_id=3).join()
+    path = f"{zk_path}/nodes/0/3"
+    old = expire(node)
+    assert not node.slot.serving, "at once, however long the gate had left"
+    with pytest.raises(UnavailableError, match="the ZooKeeper session was lost; registering"):
+        node.slot.next_id()
+    # ZooKeeper keeps the old session, and our node, until the session times out.
+    assert owner(zk, path) == old[0] != session_of(node)
+    with pytest.raises(StartupRefused, match=re.escape(f"registered by {node.address}")):
+        node.tick()
+    assert node.worker_id is None, "the old worker was retired and closed"
+    assert node.sleeps == [], "no retries once serving: the next tick tries again"
+    end_session(zookeeper, old)
+    node.tick()
+    assert node.worker_id == 3 and node.slot.serving
+    assert owner(zk, path) == session_of(node)
+    # The old worker could not write its final mark (its session was gone): the
+    # reserved one stood, and the new worker waited for the clock to pass it.
+    assert sum(node.clock.sleeps) > 1.9
+    assert decompose(node.slot.next_id()).timestamp_ms > T0 + 2000
+    assert node.cluster.registrations == 2
+    assert events(node.cluster) == {"connected": 2, "suspended": 0, "lost": 1}
+
+
+def test_after_a_lost_session_auto_takes_another_id_while_its_old_node_lingers(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    node = member(worker_id=-1).join()
+    assert node.worker_id == 0
+    old = expire(node)
+    node.tick()
+    assert node.worker_id == 1 and node.slot.serving
+    assert owner(zk, f"{zk_path}/nodes/0/0") == old[0], "until the old session times out"
+    assert owner(zk, f"{zk_path}/nodes/0/1") == session_of(node)
+
+
+def test_an_auto_node_takes_its_id_back_when_it_is_free(
+    member: Make, zookeeper: ZooKeeper, zk: KazooClient, zk_path: str
+) -> None:
+    hold(zk, f"{zk_path}/nodes/0/0")
+    node = member(worker_id=-1).join()
+    assert node.worker_id == 1
+    zk.delete(f"{zk_path}/nodes/0/0")
+    end_session(zookeeper, expire(node))
+    node.tick()
+    assert node.worker_id == 1, "the id it had, although 0 is free and lower"
+
+
+def test_a_dropped_connection_suspends_and_reconnects_to_the_same_session(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    node = member(worker_id=2).join()
+    session = session_of(node)
+    node.client._call(_CONNECTION_DROP, None)
+    node.client.states.wait_for(KazooState.SUSPENDED, KazooState.CONNECTED)
+    assert node.slot.serving, "the gate decides, not the state: the node is still proven ours"
+    node.gate.advance(1.0)
+    node.tick()
+    assert node.slot.open_until == node.gate.now + OPEN_FOR
+    assert session_of(node) == session and owner(zk, f"{zk_path}/nodes/0/2") == session
+    assert node.cluster.registrations == 1
+    assert events(node.cluster) == {"connected": 2, "suspended": 1, "lost": 0}
+
+
+def lose_registration(member: Make, zk: KazooClient, zk_path: str, holder: str = "") -> Member:
+    """A node serving worker 6 whose registration is deleted (and taken by ``holder``,
+    if given) behind its back; after its next tick it no longer serves."""
+    node = member(worker_id=6).join()
+    path = f"{zk_path}/nodes/0/6"
+    zk.delete(path)
+    if holder:
+        hold(zk, path, holder)
+    node.tick()
+    assert not node.slot.serving
+    return node
+
+
+def test_a_deleted_registration_is_noticed_and_taken_again(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    node = lose_registration(member, zk, zk_path)
+    path = f"{zk_path}/nodes/0/6"
+    with pytest.raises(
+        UnavailableError, match=re.escape(f"registration {path} lost; registering again")
+    ):
+        node.slot.next_id()
+    node.tick()
+    assert node.worker_id == 6 and node.slot.serving
+    assert owner(zk, path) == session_of(node)
+    assert node.cluster.registrations == 2
+
+
+def test_a_registration_another_session_took_over_is_left_to_it(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    node = lose_registration(member, zk, zk_path, holder="10.0.0.9:7609")
+    path = f"{zk_path}/nodes/0/6"
+    with pytest.raises(StartupRefused, match=re.escape("registered by 10.0.0.9:7609")):
+        node.tick()
+    assert owner(zk, path) == zk.client_id[0], "not ours to delete"
+    zk.delete(path)
+    node.tick()
+    assert node.worker_id == 6 and node.slot.serving
+
+
+def test_a_mark_moved_by_another_node_stops_ids_and_registers_again(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    node = member(worker_id=6).join()
+    marks = f"{zk_path}/marks/0/6"
+    zk.set(marks, str(T0 + 8000).encode())  # another holder of id 6 got this far
+    node.clock.now += 3000  # past the reserved mark: the next id must move it
+    with pytest.raises(UnavailableError):
+        node.slot.next_id()
+    assert node.slot.closed_reason == (
+        f"worker id lost: {marks} was changed by another node; registering again"
+    )
+    assert mark(zk, marks) == T0 + 8000, "the other node's mark stands"
+    node.tick()
+    assert node.worker_id == 6 and node.slot.serving
+    assert decompose(node.slot.next_id()).timestamp_ms > T0 + 8000, "after the other's mark"
+
+
+def test_a_client_stuck_suspended_is_replaced(member: Make, tmp_path: Path) -> None:
+    own = ZooKeeper(tmp_path / "zk")
+    own.start()
+    try:
+        node = member(hosts=own.hosts, worker_id=7, zk_connect_timeout=0.5).join()
+        stuck = node.client
+        own.stop()
+        stuck.states.wait_for(KazooState.SUSPENDED)
+        node.tick()  # within the session: nothing to do but wait
+        assert node.cluster.client is stuck and node.slot.serving
+        node.gate.advance(OPEN_FOR + 0.001)
+        assert not node.slot.serving
+        with pytest.raises(UnavailableError, match=UNREACHABLE):
+            node.slot.next_id()
+        node.gate.advance(SESSION - OPEN_FOR)  # past the session timeout, still SUSPENDED
+        node.tick()  # a new client: it cannot connect either, within its 0.5 s
+        assert not stuck.connected and len(node.clients) == 2
+        assert node.cluster.client is None and node.cluster.client_restarts == 1
+        assert node.cluster.health()[1]["zookeeper"] == "NONE"
+        own.wipe()  # it comes back empty: the old session is unknown there
+        own.start()
+        node.tick()  # another new client: connected
+        assert node.cluster.client is node.client and node.client.connected
+        assert node.cluster.client_restarts == 2 and not node.slot.serving
+        node.tick()  # registered afresh
+        assert node.worker_id == 7 and node.slot.serving
+        assert node.cluster.registrations == 2
+        counts = samples(node.cluster)
+        assert counts["snowflake_zookeeper_client_restarts_total"] == 2
+        assert events(node.cluster)["suspended"] == 1
+        node.cluster.close()
+    finally:
+        own.stop()
+
+
+# -- the supervision thread -------------------------------------------------------
+
+
+def test_the_supervision_thread_registers_again_on_its_own(
+    member: Make,
+    zookeeper: ZooKeeper,
+    zk: KazooClient,
+    zk_path: str,
+    log_events: LogEvents,
+) -> None:
+    node = member(worker_id=3, supervise_every=0.01).join()
+    old = expire(node)
+    log_events.wait_for("cannot register again yet: worker id 3 of datacenter 0 is registered")
+    end_session(zookeeper, old)
+    log_events.wait_for("registered again as worker 3")
+    # A failure that is not a refusal is logged and retried as well.
+    zk.set_acls(f"{zk_path}/marks/0/3", [make_digest_acl("someone", "else", all=True)])
+    zk.delete(f"{zk_path}/nodes/0/3")
+    log_events.wait_for("ZooKeeper supervision: NoAuthError")
+    assert not node.slot.serving
+
+
+# -- shutdown -------------------------------------------------------------------
+
+
+def test_close_deletes_the_node_and_stores_the_exact_mark(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    node = member(worker_id=4).join()
+    node.clock.now += 1234
+    last = max(node.slot.next_ids(10))
+    node.cluster.close()
+    assert zk.exists(f"{zk_path}/nodes/0/4") is None, "deleted at once, not at expiry"
+    assert mark(zk, f"{zk_path}/marks/0/4") == decompose(last).timestamp_ms == T0 + 1234
+    assert not node.client.connected
+    with pytest.raises(UnavailableError):
+        node.slot.next_id()
+
+
+def test_close_leaves_a_node_it_may_not_delete_to_its_session(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
+) -> None:
+    everything_but_delete = make_acl(
+        "world", "anyone", read=True, write=True, create=True, admin=True
+    )
+    zk.create(f"{zk_path}/nodes/0", acl=[everything_but_delete], makepath=True)
+    node = member(worker_id=1).join()
+    node.cluster.close()
+    assert "it expires with the session" in log_events.wait_for(f"could not delete {zk_path}")
+    assert zk.exists(f"{zk_path}/nodes/0/1") is None, "gone with the session, closed"

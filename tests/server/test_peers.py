@@ -1,0 +1,183 @@
+"""Twitter's start-up sanity checks, against real peers: servers in this process,
+registered by writing their address into a real ZooKeeper."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+import pytest
+from kazoo.client import KazooClient
+
+from snowflake_server import ServerSettings, StartupRefused
+from snowflake_server._cluster.peers import check_peers, children
+from snowflake_server._ids.clocks import wall_clock_ms
+from tests.support.inprocess import InProcessServer
+from tests.support.zookeeper import ZooKeeper, free_port
+
+pytestmark = pytest.mark.zookeeper
+
+US = "127.0.0.1:1"  # our own advertised address: never dialled
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    """A server answering as datacenter 0, worker 5."""
+    settings = ServerSettings(datacenter_id=0, worker_id=5)
+    with InProcessServer(settings, tmp_path_factory.mktemp("peer")) as server:
+        yield server
+
+
+Register = Callable[[str, str], None]
+
+
+@pytest.fixture
+def register(zk: KazooClient, zk_path: str) -> Register:
+    """``register("0/5", "host:port")``: a registration as a node makes it."""
+
+    def add(dc_and_worker: str, address: str) -> None:
+        zk.create(f"{zk_path}/nodes/{dc_and_worker}", address.encode(), makepath=True)
+
+    return add
+
+
+def address(server: InProcessServer) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+class Check(Protocol):
+    def __call__(
+        self, clock: Callable[[], int] = ..., ours: str = ..., **overrides: object
+    ) -> None: ...
+
+
+@pytest.fixture
+def check(zookeeper: ZooKeeper, zk: KazooClient, zk_path: str) -> Check:
+    """``check(clock=..., ours=..., **settings)``: the peer checks as worker 6 would run them."""
+
+    def run(clock: Callable[[], int] = wall_clock_ms, ours: str = US, **overrides: object) -> None:
+        settings = ServerSettings(
+            zookeeper=zookeeper.hosts,
+            zk_path=zk_path,
+            worker_id=6,
+            **overrides,  # type: ignore[arg-type]
+        )
+        check_peers(zk, settings.cluster, ours, clock)
+
+    return run
+
+
+def test_no_registrations_no_peers(
+    check: Check, zk: KazooClient, zk_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO")
+    assert children(zk, f"{zk_path}/nodes") == []
+    check()
+    assert "no registered peers to check" in caplog.text
+
+
+def test_children_are_in_numeric_order(zk: KazooClient, zk_path: str) -> None:
+    for name in ("10", "2", "1"):
+        zk.create(f"{zk_path}/{name}", makepath=True)
+    assert children(zk, zk_path) == ["1", "2", "10"]
+
+
+def test_a_sane_peer_passes(
+    check: Check, peer: InProcessServer, register: Register, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO")
+    register("0/5", address(peer))
+    check()
+    assert re.search(r"1 peer\(s\) sane; mean clock offset [+-]\d+ ms", caplog.text)
+
+
+@pytest.mark.parametrize(
+    ("registered", "message"),
+    [
+        (["0/7"], "Worker id insanity: peer {peer} (registered as datacenter 0, worker 7) "
+                  "says it is worker 5"),
+        (["1/5"], "Datacenter id insanity: peer {peer} (registered as datacenter 1, worker 5) "
+                  "says it is in datacenter 0"),
+        # Two registrations at one address are the processes of one node; if one of
+        # them never answers, the address is not what it claims.
+        (["0/5", "0/7"], "Worker id insanity: peer {peer} (registered as datacenter 0, worker "
+                         "5, datacenter 0, worker 7) never answered as datacenter 0, worker 7 "
+                         "in 16 connections"),
+    ],
+    ids=["another-worker", "another-datacenter", "never-answers-as-registered"],
+)  # fmt: skip
+def test_a_peer_not_what_its_registration_says_is_insanity(
+    check: Check, peer: InProcessServer, register: Register, registered: list[str], message: str
+) -> None:
+    for dc_and_worker in registered:
+        register(dc_and_worker, address(peer))
+    with pytest.raises(StartupRefused) as info:
+        check()
+    assert str(info.value) == message.format(peer=address(peer))
+
+
+@pytest.mark.parametrize("where", ["dead", "malformed"])
+def test_an_unreachable_peer_refuses_start(check: Check, register: Register, where: str) -> None:
+    dead = f"127.0.0.1:{free_port()}" if where == "dead" else "no-port-here"
+    register("0/9", dead)
+    with pytest.raises(StartupRefused) as info:
+        check()
+    message = str(info.value)
+    assert message.startswith(f"peer {dead} (registered as datacenter 0, worker 9) is unreachable")
+    assert "--skip-sanity-checks" in message
+
+
+@pytest.mark.parametrize(
+    ("offset_ms", "words"), [(-30_000, "behind"), (30_000, "ahead of")], ids=["behind", "ahead"]
+)
+def test_a_clock_far_from_the_peers_refuses_start(
+    check: Check, peer: InProcessServer, register: Register, offset_ms: int, words: str
+) -> None:
+    register("0/5", address(peer))
+
+    def our_clock() -> int:
+        return wall_clock_ms() + offset_ms
+
+    with pytest.raises(StartupRefused) as info:
+        check(clock=our_clock)
+    message = str(info.value)
+    assert re.match(rf"our clock is 3\d\d\d\d ms {words} the mean of 1 peers' clocks", message)
+    assert "more than --max-peer-skew 10 s" in message and address(peer) in message
+    # Within a wider allowance the same offset passes.
+    check(clock=our_clock, max_peer_skew=40.0)
+
+
+def test_skip_sanity_checks_asks_nobody(
+    check: Check, register: Register, caplog: pytest.LogCaptureFixture
+) -> None:
+    register("0/9", f"127.0.0.1:{free_port()}")  # would be unreachable
+    check(skip_sanity_checks=True)
+    assert "--skip-sanity-checks: not asking registered peers" in caplog.text
+
+
+def test_our_own_address_is_not_asked(
+    check: Check, register: Register, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sibling processes of ours (--processes) share our address, and our socket does
+    not answer before we register."""
+    caplog.set_level("INFO")
+    ours = f"127.0.0.1:{free_port()}"
+    register("0/3", ours)
+    register("0/4", ours)
+    check(ours=ours)
+    assert "no registered peers to check" in caplog.text
+
+
+def test_peers_with_skew_within_the_allowance_pass(
+    check: Check, peer: InProcessServer, register: Register, tmp_path: Path
+) -> None:
+    """Two peers, one a little ahead of us (its own injected clock): the mean counts."""
+    register("0/5", address(peer))
+    ahead = ServerSettings(datacenter_id=0, worker_id=8)
+    with InProcessServer(ahead, tmp_path, clock=lambda: wall_clock_ms() + 4000) as second:
+        register("0/8", address(second))
+        check()  # mean offset about 2 s: within 10 s
+        with pytest.raises(StartupRefused, match="ms behind the mean of 2 peers' clocks"):
+            check(max_peer_skew=1.0)

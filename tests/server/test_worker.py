@@ -1,0 +1,267 @@
+"""A worker (state file, marks, start-up wait, generator) and the slot cluster mode
+serves from, under fake clocks: no test waits for real time to pass."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from snowflake_server import (
+    GeneratorCounters,
+    ReservationError,
+    ServerSettings,
+    StartupRefused,
+    UnavailableError,
+    decompose,
+)
+from snowflake_server._state.reservation import MarkStore
+from snowflake_server._state.worker import CurrentReservation, Worker, WorkerSlot
+from tests.support.fakes import FakeClock, SecondsClock
+
+T0 = 1_700_000_000_000
+
+
+class MemoryMarks(MarkStore):
+    """A second mark store kept in memory, standing in for ZooKeeper's."""
+
+    name = "memory"
+
+    def __init__(self, mark_ms: int) -> None:
+        super().__init__(mark_ms)
+        self.stored: list[int] = []
+
+    @property
+    def where(self) -> str:
+        return "memory"
+
+    def _store(self, mark_ms: int) -> None:
+        self.stored.append(mark_ms)
+
+
+def settings(tmp_path: Path, **overrides: object) -> ServerSettings:
+    return ServerSettings(state_dir=str(tmp_path / "state"), **overrides)  # type: ignore[arg-type]
+
+
+def on_disk(tmp_path: Path, worker_id: int, datacenter_id: int = 0) -> int:
+    path = tmp_path / "state" / f"worker-{datacenter_id}-{worker_id}.json"
+    return int(json.loads(path.read_text())["high_water_mark_ms"])
+
+
+def open_worker(
+    tmp_path: Path,
+    clock: FakeClock,
+    worker_id: int = 3,
+    remote: tuple[MarkStore, int] | None = None,
+    **overrides: object,
+) -> Worker:
+    return Worker.open(
+        settings(tmp_path, **overrides).worker,
+        worker_id,
+        clock=clock,
+        sleep=clock.sleep,
+        remote=remote,
+    )
+
+
+# -- Worker -------------------------------------------------------------------
+
+
+def test_a_first_start_serves_at_once_and_closes_with_the_exact_mark(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock(T0)
+    caplog.set_level("INFO")
+    worker = open_worker(tmp_path, clock, worker_id=3)
+    try:
+        assert "no high-water mark for worker 3: its first start here" in caplog.text
+        assert worker.worker_id == 3
+        assert worker.reservation.startup_wait_s == 0.0
+        assert clock.sleeps == [], "nothing to wait for"
+        assert on_disk(tmp_path, 3) == T0 + 1000, "reserved ahead before the first id"
+        first = worker.generator.next_id()
+        parts = decompose(first)
+        assert (parts.worker_id, parts.timestamp_ms) == (3, T0)
+    finally:
+        worker.close()
+    assert on_disk(tmp_path, 3) == T0, "the exact last timestamp used, not the reservation"
+    with pytest.raises(ReservationError):
+        worker.generator.next_id()  # sealed
+
+
+def test_a_restart_resumes_after_the_mark_without_waiting_when_the_clock_is_past(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock(T0)
+    last = issue_one_and_close(open_worker(tmp_path, clock))
+    clock.now += 5  # a clean restart, a few ms later
+    again = open_worker(tmp_path, clock)
+    try:
+        assert clock.sleeps == [] and again.reservation.startup_wait_s == 0.0
+        assert again.generator.next_id() > last
+    finally:
+        again.close()
+
+
+def issue_one_and_close(worker: Worker) -> int:
+    """The last run: one id, then a clean stop (the exact mark is its timestamp)."""
+    last = worker.generator.next_id()
+    worker.close()
+    return last
+
+
+def test_a_worker_stopped_before_its_first_id_starts_again(tmp_path: Path) -> None:
+    """A first start that never issued an id leaves a valid mark (it wrote -1, which
+    the next start refused as a corrupt state file)."""
+    clock = FakeClock(T0)
+    open_worker(tmp_path, clock).close()
+    assert on_disk(tmp_path, 3) >= 0
+    clock.now += 1
+    again = open_worker(tmp_path, clock)
+    try:
+        assert decompose(again.generator.next_id()).timestamp_ms == T0 + 1
+    finally:
+        again.close()
+
+
+def test_a_clock_behind_the_mark_on_disk_is_waited_for(tmp_path: Path) -> None:
+    clock = FakeClock(T0)
+    issue_one_and_close(open_worker(tmp_path, clock))  # mark: T0
+    clock.now = T0 - 3000  # the clock stepped back 3 s since
+    worker = open_worker(tmp_path, clock)
+    try:
+        assert sum(clock.sleeps) == pytest.approx(3.001, abs=0.06), "slept on the fake clock"
+        assert clock() > T0
+        assert decompose(worker.generator.next_id()).timestamp_ms > T0
+    finally:
+        worker.close()
+
+
+def test_the_remote_mark_is_honoured_and_reserved_ahead(tmp_path: Path) -> None:
+    clock = FakeClock(T0)
+    remote = MemoryMarks(T0 + 2000)  # a recycled id: the previous holder got this far
+    worker = open_worker(tmp_path, clock, remote=(remote, 5000))
+    try:
+        assert clock() > T0 + 2000, "waited for the remote mark, the later one"
+        now = clock()
+        assert remote.stored == [now + 5000], "reserved ahead by the remote margin"
+        assert decompose(worker.generator.next_id()).timestamp_ms > T0 + 2000
+    finally:
+        worker.close()
+    assert remote.stored[-1] == on_disk(tmp_path, 3), "the same exact final mark in both"
+
+
+def test_a_remote_store_without_a_mark_is_a_first_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock(T0)
+    caplog.set_level("INFO")
+    remote = MemoryMarks(-1)
+    worker = open_worker(tmp_path, clock, remote=(remote, 2000))
+    try:
+        assert "its first start here" in caplog.text
+        assert remote.stored == [T0 + 2000]
+    finally:
+        worker.close()
+
+
+def test_a_clock_far_behind_the_mark_is_refused_and_the_state_unlocked(tmp_path: Path) -> None:
+    clock = FakeClock(T0)
+    issue_one_and_close(open_worker(tmp_path, clock))  # mark: T0
+    clock.now = T0 - 60_000
+    with pytest.raises(StartupRefused, match=r"60\.000 s behind .* --max-startup-wait 61"):
+        open_worker(tmp_path, clock, max_startup_wait=10.0)
+    assert clock.sleeps == [], "refused at once"
+    clock.now = T0 + 1
+    open_worker(tmp_path, clock).close()  # the lock was released: it opens again
+
+
+def test_a_worker_held_by_another_opener_is_refused(tmp_path: Path) -> None:
+    clock = FakeClock(T0)
+    worker = open_worker(tmp_path, clock)
+    try:
+        with pytest.raises(StartupRefused, match="another process on this host"):
+            open_worker(tmp_path, clock)
+    finally:
+        worker.close()
+
+
+# -- WorkerSlot ---------------------------------------------------------------
+
+
+def test_an_empty_slot_refuses_and_reports_the_placeholder() -> None:
+    ids = ServerSettings(worker_id=7).ids
+    slot = WorkerSlot(ids, clock=SecondsClock())
+    assert not slot.serving and slot.worker is None
+    assert slot.settings == ids
+    assert slot.counters() == GeneratorCounters()
+    assert slot.retire() is None
+    with pytest.raises(UnavailableError, match="not handing out ids: not registered yet"):
+        slot.next_id()
+    assert list(CurrentReservation(slot).collect()) == []
+
+
+def test_a_slot_serves_until_open_until_on_its_clock(tmp_path: Path) -> None:
+    gate = SecondsClock(1000.0)
+    clock = FakeClock(T0)
+    slot = WorkerSlot(ServerSettings().ids, clock=gate)
+    slot.install(open_worker(tmp_path, clock, worker_id=4))
+    try:
+        assert not slot.serving, "installed, but nothing proved it may serve yet"
+        slot.open_until = 1010.0
+        assert slot.serving
+        assert decompose(slot.next_id()).worker_id == 4
+        assert len(slot.next_ids(5)) == 5
+        assert slot.settings.worker_id == 4
+        gate.now = 1010.0
+        assert slot.serving, "the deadline itself still counts"
+        gate.now = 1010.001
+        slot.closed_reason = "ZooKeeper unreachable"
+        assert not slot.serving
+        with pytest.raises(UnavailableError, match="ZooKeeper unreachable"):
+            slot.next_ids(2)
+        names = {m.name for m in CurrentReservation(slot).collect()}
+        assert "snowflake_high_water_mark_timestamp_seconds" in names
+    finally:
+        worker = slot.retire()
+        assert worker is not None
+        worker.close()
+
+
+def test_close_stops_ids_at_once_with_its_reason(tmp_path: Path) -> None:
+    slot = WorkerSlot(ServerSettings().ids, clock=SecondsClock(0.0))
+    slot.install(open_worker(tmp_path, FakeClock(T0)))
+    slot.open_until = 100.0
+    assert slot.serving
+    slot.close("the ZooKeeper session was lost")
+    assert not slot.serving and slot.open_until == float("-inf")
+    with pytest.raises(UnavailableError, match="the ZooKeeper session was lost"):
+        slot.next_id()
+    worker = slot.retire()
+    assert worker is not None
+    worker.close()
+
+
+def test_counters_add_up_every_worker_the_slot_held(tmp_path: Path) -> None:
+    gate = SecondsClock(0.0)
+    clock = FakeClock(T0)
+    slot = WorkerSlot(ServerSettings().ids, clock=gate)
+    slot.install(open_worker(tmp_path, clock, worker_id=1))
+    slot.open_until = 10.0
+    slot.next_ids(3)
+    next_worker = open_worker(tmp_path, clock, worker_id=2)
+    with pytest.raises(AssertionError, match="retire the old worker first"):
+        slot.install(next_worker)
+    first = slot.retire()
+    assert first is not None and not slot.serving, "retiring closes the slot"
+    first.close()
+    assert slot.counters().ids_generated == 3, "a retired worker's ids still count"
+    slot.install(next_worker)
+    slot.open_until = 10.0
+    slot.next_ids(4)
+    assert slot.counters().ids_generated == 7
+    second = slot.retire()
+    assert second is not None
+    second.close()
+    assert slot.counters().ids_generated == 7

@@ -1,0 +1,162 @@
+"""A worker id's high-water mark in a real ZooKeeper: loaded once, then written
+only by compare-and-set from the session that registered the id."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from kazoo.client import KazooClient, KazooState
+from kazoo.protocol.connection import _SESSION_EXPIRED
+
+from snowflake_server import ReservationError, StartupRefused
+from snowflake_server._cluster.zkmarks import ZkMarkStore
+
+pytestmark = pytest.mark.zookeeper
+
+T0 = 1_700_000_000_000  # whole seconds
+
+
+@pytest.fixture
+def other(zk_sessions: Callable[[], KazooClient]) -> KazooClient:
+    """Another node's session (``zk`` is the one that registered the worker id)."""
+    return zk_sessions()
+
+
+@pytest.fixture
+def path(request: pytest.FixtureRequest) -> str:
+    """A mark of its own for each test."""
+    return f"/zkmarks-{re.sub(r'[^A-Za-z0-9_-]', '-', request.node.name)}/marks/0/3"
+
+
+class Lost:
+    """Records ``on_lost`` calls."""
+
+    def __init__(self) -> None:
+        self.why: list[str] = []
+
+    def __call__(self, why: str) -> None:
+        self.why.append(why)
+
+
+def load(zk: Any, path: str, lost: Callable[[str], None]) -> ZkMarkStore:
+    return ZkMarkStore.load(lambda: zk, path, lost)
+
+
+def stored(client: KazooClient, path: str) -> tuple[int, int]:
+    """The mark in ``path`` and the znode's version."""
+    data, stat = client.get(path)
+    return int(data.decode()), stat.version
+
+
+def test_no_znode_is_no_mark(zk: KazooClient, path: str) -> None:
+    store = load(zk, path, Lost())
+    assert store.mark_ms == -1
+    assert store.where == f"zookeeper:{path}"
+    assert store.name == "zookeeper"
+    assert zk.exists(path) is None, "loading writes nothing"
+
+
+def test_a_stored_mark_is_loaded_and_written_over_by_version(
+    zk: KazooClient, other: KazooClient, path: str
+) -> None:
+    other.create(path, str(T0 + 5000).encode(), makepath=True)
+    other.set(path, str(T0 + 7000).encode())  # version 1
+    store = load(zk, path, Lost())
+    assert store.mark_ms == T0 + 7000
+    assert store.advance(T0 + 7001) == T0 + 8000
+    assert stored(other, path) == (T0 + 8000, 2)
+
+
+@pytest.mark.parametrize("data", [b"soon", b"", b"\xff\xfe"], ids=["text", "empty", "binary"])
+def test_a_mark_that_is_not_a_number_refuses_start(
+    zk: KazooClient, other: KazooClient, path: str, data: bytes
+) -> None:
+    other.create(path, data, makepath=True)
+    with pytest.raises(StartupRefused, match=r"is not a number .* repair it by hand") as info:
+        load(zk, path, Lost())
+    assert path in str(info.value)
+
+
+def test_marks_are_rounded_up_to_whole_seconds(zk: KazooClient, path: str) -> None:
+    store = load(zk, path, Lost())
+    assert store.advance(T0 + 1) == T0 + 1000, "the first write creates the znode and parents"
+    assert stored(zk, path) == (T0 + 1000, 0)
+    assert store.advance(T0 + 999) == T0 + 1000
+    assert store.advance(T0 + 1000) == T0 + 1000
+    assert store.writes == 1, "within the reserved second: no write"
+    assert store.advance(T0 + 1001) == T0 + 2000
+    assert stored(zk, path) == (T0 + 2000, 1)
+    assert store.advance(T0 + 500) == T0 + 2000, "never lowered by advance"
+    assert (store.writes, store.write_errors) == (2, 0)
+
+
+def test_a_mark_changed_by_another_writer_is_not_overwritten(
+    zk: KazooClient, other: KazooClient, path: str
+) -> None:
+    lost = Lost()
+    store = load(zk, path, lost)
+    store.advance(T0)
+    other.set(path, str(T0 + 60_000).encode())  # the id's new holder moved it
+    with pytest.raises(ReservationError, match="changed by another node: this node no longer"):
+        store.advance(T0 + 1500)
+    assert lost.why == [f"{path} was changed by another node"]
+    assert stored(other, path)[0] == T0 + 60_000, "the new holder's mark stands"
+    assert (store.mark_ms, store.writes, store.write_errors) == (T0, 1, 1)
+
+
+def test_a_mark_created_by_another_writer_meanwhile_is_not_overwritten(
+    zk: KazooClient, other: KazooClient, path: str
+) -> None:
+    lost = Lost()
+    store = load(zk, path, lost)  # none yet
+    other.create(path, str(T0 + 60_000).encode(), makepath=True)
+    with pytest.raises(ReservationError):
+        store.advance(T0)
+    assert lost.why == [f"{path} was changed by another node"]
+    assert stored(other, path)[0] == T0 + 60_000
+
+
+def test_no_write_once_the_registering_session_has_expired(zk: KazooClient, path: str) -> None:
+    lost = Lost()
+    store = load(zk, path, lost)
+    store.advance(T0)
+    states: list[str] = []
+    reconnected = threading.Event()
+
+    def listen(state: str) -> bool:
+        states.append(state)
+        if KazooState.LOST in states and state == KazooState.CONNECTED:
+            reconnected.set()
+            return True
+        return False
+
+    zk.add_listener(listen)
+    zk._call(_SESSION_EXPIRED, None)  # as kazoo's own test harness expires a session
+    assert reconnected.wait(10), f"a new session after LOST, saw {states}"
+    with pytest.raises(ReservationError, match="session that registered this worker id is gone"):
+        store.advance(T0 + 5000)
+    assert lost.why == [], "not another writer: the session is simply not ours any more"
+    assert stored(zk, path)[0] == T0, "untouched"
+    assert store.write_errors == 1
+
+
+def test_no_write_without_a_client(zk: KazooClient, path: str) -> None:
+    """Cluster mode may drop a stuck client before it has a new one."""
+    current: list[Any] = [zk]
+    store = ZkMarkStore.load(lambda: current[0], path, Lost())
+    current[0] = None
+    with pytest.raises(ReservationError, match="is gone"):
+        store.finish(T0)
+    assert zk.exists(path) is None
+
+
+def test_finish_writes_the_exact_mark_even_lower(zk: KazooClient, path: str) -> None:
+    store = load(zk, path, Lost())
+    store.advance(T0 + 1)
+    store.finish(T0 + 7)
+    assert stored(zk, path) == (T0 + 7, 1)
+    assert store.mark_ms == T0 + 7
