@@ -93,7 +93,7 @@ def test_two_seconds_back_is_refused_then_recovers(
             behind = int(e.message.split("for ")[1].split(" ")[0])
             assert 0 < behind <= 2000
             refusals += 1
-            time.sleep(0.05)
+            time.sleep(0.05)  # a client retrying while the (faked) clock is behind
     assert refusals >= 1 and after, "refused while behind, served once past the last id"
     after += take(timed_server)
     assert_after(after, before)

@@ -22,6 +22,7 @@ from snowflake_thrift_client._idl import snowflake_thrift
 from snowflake_server import decompose
 from snowflake_server._cli import main as cli_main
 from tests.support.endpoints import Endpoints
+from tests.support.fakes import SecondsClock
 from tests.support.processes import (
     FakeTime,
     Load,
@@ -257,7 +258,7 @@ def test_zookeeper_stopped_then_restarted(own_zk: ZooKeeper, cluster: Callable[.
         # Without ZooKeeper a node serves only while its node is surely its own.
         wait_until(lambda: not any(serving(n) for n in nodes), "ids to stop", float(SESSION) + 5)
         stopped = load.count()
-        time.sleep(0.5)
+        time.sleep(0.5)  # the thing under test: no ids during real time without ZooKeeper
         assert load.count() - stopped < 500, "nodes stop handing out ids"
         own_zk.start()
         wait_until(lambda: all(serving(n) for n in nodes), "serving again", 30)
@@ -398,10 +399,12 @@ def test_discovery_gives_up_within_its_timeout_when_zookeeper_goes(
 ) -> None:
     node = cluster(own_zk)("--worker-id", "2")
     discovery = ZooKeeperDiscovery(own_zk.hosts, node_zk_path(node), timeout=1.0)
-    with discovery, SnowflakePool(discovery, refresh_interval=0.1, timeout=1.0) as pool:
+    clock = SecondsClock()
+    pool = SnowflakePool(discovery, refresh_interval=0.1, timeout=1.0, clock=clock)
+    with discovery, pool:
         assert pool.next_id() > 0
         own_zk.stop()
-        time.sleep(0.2)  # past refresh_interval: the next call asks ZooKeeper again
+        clock.advance(0.2)  # past refresh_interval: the next call asks ZooKeeper again
         started = time.monotonic()
         # Served from the last list, or refused by the node now unsure of its id.
         with contextlib.suppress(NoServerAvailableError):
@@ -440,7 +443,7 @@ def test_a_node_that_lost_its_id_cannot_touch_the_new_holders_mark(
                 mark = int(zk.get(f"{zk_path}/marks/0/5")[0])
                 issued = load.ids[-1] if load.ids else 0
                 assert mark >= decompose(issued).timestamp_ms, "the mark never drops below ids"
-                time.sleep(0.005)
+                time.sleep(0.005)  # sampling the mark through a real window of time
         new_ids = list(load.ids)
         new.stop(signal.SIGKILL)
         old.stop(signal.SIGKILL)
