@@ -18,7 +18,6 @@ from snowflake_thrift_client import (
     TWITTER_EPOCH_MS,
     DecodedId,
     Layout,
-    __version__,
     compose,
     decompose,
 )
@@ -40,6 +39,7 @@ from ._errors import (
     UnavailableError,
 )
 from ._ids.generator import GeneratorCounters, GeneratorSettings, IdGenerator
+from ._version import __version__
 
 __all__ = [
     "DEFAULT_LAYOUT",

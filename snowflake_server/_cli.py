@@ -24,13 +24,13 @@ from snowflake_thrift_client import (
     RequestError,
     SnowflakePool,
     ZooKeeperDiscovery,
-    __version__,
     parse_server,
 )
 from thriftpy2.thrift import TApplicationException
 
 from ._config.options import OPTIONS
 from ._config.settings import ServerSettings, layout_from
+from ._version import __version__
 
 __all__ = ["main"]
 

@@ -22,7 +22,6 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import KazooException
 from kazoo.handlers.threading import KazooTimeoutError
 from prometheus_client.registry import Collector
-from snowflake_thrift_client import __version__
 
 from .._cluster.membership import Cluster, advertised_address
 from .._config.settings import ServerSettings
@@ -37,11 +36,16 @@ from .._state.worker import CurrentReservation, Worker, WorkerSlot
 from .._thrift.handler import Processor, SnowflakeHandler, service_methods
 from .._thrift.server import ThriftServer
 from .._thrift.tls import server_context
+from .._version import __version__
 from .ready import ready_line
 
 __all__ = ["Mode", "Node", "clustered", "serve", "standalone"]
 
 log = logging.getLogger("snowflake_server")
+
+
+Defer = Callable[[Callable[[], None]], object]
+"""Registers a close to run at shutdown (in reverse order of registration)."""
 
 
 @dataclass
@@ -51,8 +55,9 @@ class Mode:
     source: IdSource
     collectors: list[Collector]
     health: Health
-    join: Callable[[int], None] = lambda _port: None
-    """Called once the Thrift port is bound (peers must be able to dial us)."""
+    join: Callable[[int, Defer], None] = lambda _port, _defer: None
+    """Called once the Thrift port is bound (peers must be able to dial us), with the
+    port and a way to defer a close to shutdown, before the Thrift server's close."""
     cleanup: list[Callable[[], None]] = field(default_factory=list)
     """Run in reverse order at close."""
 
@@ -79,7 +84,7 @@ def clustered(
     def open_worker(worker_id: int, remote: tuple[MarkStore, int]) -> Worker:
         return Worker.open(settings.worker, worker_id, clock=clock, remote=remote)
 
-    def join(port: int) -> None:
+    def join(port: int, defer: Defer) -> None:
         cluster = Cluster(
             settings.cluster,
             slot,
@@ -89,7 +94,9 @@ def clustered(
             client_factory=client_factory,
         )
         cluster.connect()
-        mode.cleanup.append(cluster.close)
+        # Closed before the Thrift server and the audit trail, as the worker is: calls
+        # still in flight then meet a sealed generator, not an id nobody audits.
+        defer(cluster.close)
         try:
             cluster.check_peers()
             cluster.register()
@@ -145,7 +152,7 @@ class Node:
         audit = self._open_audit(mode)
         self._server = self._open_thrift(mode, metrics, audit)
         self.thrift_address = self._server.bind()
-        mode.join(self.thrift_address[1])  # cluster mode: peers can dial us now
+        mode.join(self.thrift_address[1], self._cleanup.callback)  # peers can dial us now
         self.admin_address = self._open_admin(mode, metrics)
 
     def _open_mode(self) -> Mode:

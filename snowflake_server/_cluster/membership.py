@@ -301,10 +301,7 @@ class Cluster(Collector):
 
     def _register_again(self) -> None:
         old = self._slot.retire()
-        previous = None
-        if old is not None:
-            previous = old.worker_id
-            old.close()
+        previous = old.worker_id if old is not None else None
         if self._node is not None:
             stat = self._client.exists(self._node)
             if stat is not None and stat.ephemeralOwner == self._client.client_id[0]:
@@ -335,9 +332,7 @@ class Cluster(Collector):
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        worker = self._slot.retire()
-        if worker is not None:
-            worker.close()
+        self._slot.retire()
         client = self._client
         if client is None:
             return

@@ -17,10 +17,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from snowflake_thrift_client import __version__
-
 from .._errors import ConfigurationError
 from .._state.statefile import default_state_dir
+from .._version import __version__
 from .settings import AUTO_WORKER_ID, LOG_LEVELS, ServerSettings, layout_from
 
 __all__ = [

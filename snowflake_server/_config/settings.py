@@ -170,10 +170,13 @@ class ServerSettings:
             _within(name, getattr(self, name), 1, None)
         for name in ("max_agents", "max_backwards_ms"):
             _within(name, getattr(self, name), 0, None)
-        for name in ("max_peer_skew", "zk_session_timeout", "zk_connect_timeout"):
-            _seconds(name, getattr(self, name), positive=True)
-        for name in ("idle_timeout", "max_startup_wait"):
-            _seconds(name, getattr(self, name), positive=False)
+        # inf means "never refuse" for the start-up wait and the peers' skew; for the
+        # timeouts it is no setting at all (0 is "never" for the idle timeout).
+        for name in ("zk_session_timeout", "zk_connect_timeout"):
+            _seconds(name, getattr(self, name), positive=True, unbounded=False)
+        _seconds("max_peer_skew", self.max_peer_skew, positive=True, unbounded=True)
+        _seconds("idle_timeout", self.idle_timeout, positive=False, unbounded=False)
+        _seconds("max_startup_wait", self.max_startup_wait, positive=False, unbounded=True)
         _one_of("transport", self.transport, ("framed", "buffered"))
         _one_of("sequence_start", self.sequence_start, ("zero", "random"))
         _one_of("log_level", self.log_level, LOG_LEVELS)
@@ -255,16 +258,14 @@ def _within(name: str, value: object, low: int, high: int | None) -> None:
         raise ConfigurationError(f"{name} {rule}, got {value}")
 
 
-def _seconds(name: str, value: object, *, positive: bool) -> None:
-    if (
-        not isinstance(value, int | float)
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value < 0
-        or (positive and value == 0)
-    ):
+def _seconds(name: str, value: object, *, positive: bool, unbounded: bool) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
+        raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}")
+    if value < 0 or (positive and value == 0):
         rule = "must be positive" if positive else "must not be negative"
         raise ConfigurationError(f"{name} {rule} (a number of seconds), got {value!r}")
+    if math.isinf(value) and not unbounded:
+        raise ConfigurationError(f"{name} must be a finite number of seconds, got {value!r}")
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:

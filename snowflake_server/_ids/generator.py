@@ -249,6 +249,11 @@ class IdGenerator:
                 raise
         return ids
 
+    @property
+    def ids_generated(self) -> int:
+        """Ids handed out so far (exact: read under the lock)."""
+        return self.counters().ids_generated
+
     def counters(self) -> GeneratorCounters:
         """What this generator counted so far (exact: read under the lock)."""
         with self._lock:

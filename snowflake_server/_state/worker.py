@@ -137,13 +137,17 @@ class WorkerSlot:
             self._worker = worker
 
     def retire(self) -> Worker | None:
-        """Take the worker out (closing the slot); the caller closes it."""
+        """Stop handing out ids, close the worker (its exact final mark is written) and
+        take it out. Its ids keep counting in :meth:`counters`."""
+        self.open_until = float("-inf")
+        worker = self._worker
+        if worker is None:
+            return None
+        worker.close()  # sealed: its counters are final
         with self._lock:
-            self.open_until = float("-inf")
-            worker, self._worker = self._worker, None
-            if worker is not None:
-                self._retired += worker.generator.counters()
-            return worker
+            self._worker = None
+            self._retired += worker.generator.counters()
+        return worker
 
     def close(self, reason: str) -> None:
         """Stop handing out ids at once; calls are told ``reason``."""
@@ -172,9 +176,10 @@ class WorkerSlot:
         return worker.generator.settings if worker is not None else self._placeholder
 
     def counters(self) -> GeneratorCounters:
-        worker = self._worker
-        current = worker.generator.counters() if worker is not None else GeneratorCounters()
-        return self._retired + current
+        with self._lock:  # never a worker's ids twice, or not at all, during retire()
+            worker, retired = self._worker, self._retired
+            current = worker.generator.counters() if worker is not None else GeneratorCounters()
+        return retired + current
 
 
 class CurrentReservation(Collector):

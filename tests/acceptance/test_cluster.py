@@ -21,7 +21,7 @@ from snowflake_thrift_client._idl import snowflake_thrift
 
 from snowflake_server import decompose
 from snowflake_server._cli import main as cli_main
-from tests.support.endpoints import Endpoints
+from tests.support.endpoints import Endpoints, free_port
 from tests.support.fakes import SecondsClock
 from tests.support.processes import (
     FakeTime,
@@ -32,7 +32,7 @@ from tests.support.processes import (
     start_server,
 )
 from tests.support.waiting import wait_until
-from tests.support.zookeeper import ZooKeeper, free_port
+from tests.support.zookeeper import ZooKeeper
 
 pytestmark = [pytest.mark.zookeeper, pytest.mark.slow]
 

@@ -49,14 +49,6 @@ def counts(server: Endpoints) -> dict[str, float]:
     return parse_metrics(server.metrics())
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 class FakeServer:
     """A Thrift server in this process whose handler the test writes: for servers that
     misbehave in ways the real one never does on purpose (a reply that comes too late)."""

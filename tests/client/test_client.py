@@ -27,9 +27,9 @@ from tests.client.helpers import (
     MakeServer,
     ShiftedWallClock,
     counts,
-    free_port,
     thrift,
 )
+from tests.support.endpoints import free_port
 from tests.support.inprocess import InProcessServer
 
 

@@ -19,7 +19,8 @@ from snowflake_thrift_client import (
     decompose,
 )
 
-from tests.client.helpers import MakeServer, address, counts, free_port
+from tests.client.helpers import MakeServer, address, counts
+from tests.support.endpoints import free_port
 from tests.support.fakes import SecondsClock
 from tests.support.inprocess import InProcessServer
 from tests.support.waiting import wait_until

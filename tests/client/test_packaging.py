@@ -23,7 +23,8 @@ from snowflake_thrift_client import decompose
 from snowflake_thrift_client._idl import idl_text
 
 import snowflake_server
-from tests.client.helpers import counts, free_port
+from tests.client.helpers import counts
+from tests.support.endpoints import free_port
 from tests.support.inprocess import InProcessServer
 
 ROOT = Path(__file__).parents[2]
@@ -143,6 +144,14 @@ def test_the_server_wheel_depends_on_the_client_instead_of_shipping_it(
     source = checkout / "snowflake_server"
     expected = {p.relative_to(checkout).as_posix() for p in source.rglob("*.py")}
     assert modules == expected, "every module of the source, and nothing else"
+
+
+def test_the_server_pins_the_client_of_its_own_version() -> None:
+    """One version number: the server uses the client's private modules, so it accepts
+    only the client released with it, and reports the version they share."""
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(rf'"snowflake-thrift-client=={re.escape(VERSION)}"', pyproject)
+    assert snowflake_server.__version__ == snowflake_thrift_client.__version__ == VERSION
 
 
 # -- installed alone ------------------------------------------------------------------------

@@ -26,9 +26,9 @@ from tests.client.helpers import (
     ShiftedWallClock,
     address,
     counts,
-    free_port,
     thrift,
 )
+from tests.support.endpoints import free_port
 from tests.support.fakes import SecondsClock
 from tests.support.inprocess import InProcessServer
 from tests.support.waiting import wait_until

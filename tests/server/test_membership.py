@@ -32,8 +32,9 @@ from snowflake_server import (
 from snowflake_server._cluster.membership import Cluster, advertised_address
 from snowflake_server._state.reservation import MarkStore
 from snowflake_server._state.worker import Worker, WorkerSlot
+from tests.support.endpoints import free_port
 from tests.support.fakes import FakeClock, SecondsClock
-from tests.support.zookeeper import ZooKeeper, free_port
+from tests.support.zookeeper import ZooKeeper
 
 pytestmark = pytest.mark.zookeeper
 

@@ -224,9 +224,7 @@ def test_a_slot_serves_until_open_until_on_its_clock(tmp_path: Path) -> None:
         names = {m.name for m in CurrentReservation(slot).collect()}
         assert "snowflake_high_water_mark_timestamp_seconds" in names
     finally:
-        worker = slot.retire()
-        assert worker is not None
-        worker.close()
+        assert slot.retire() is not None
 
 
 def test_close_stops_ids_at_once_with_its_reason(tmp_path: Path) -> None:
@@ -238,9 +236,7 @@ def test_close_stops_ids_at_once_with_its_reason(tmp_path: Path) -> None:
     assert not slot.serving and slot.open_until == float("-inf")
     with pytest.raises(UnavailableError, match="the ZooKeeper session was lost"):
         slot.next_id()
-    worker = slot.retire()
-    assert worker is not None
-    worker.close()
+    assert slot.retire() is not None
 
 
 def test_counters_add_up_every_worker_the_slot_held(tmp_path: Path) -> None:
@@ -255,13 +251,12 @@ def test_counters_add_up_every_worker_the_slot_held(tmp_path: Path) -> None:
         slot.install(next_worker)
     first = slot.retire()
     assert first is not None and not slot.serving, "retiring closes the slot"
-    first.close()
+    with pytest.raises(ReservationError):
+        first.generator.next_id()  # and its worker: sealed
     assert slot.counters().ids_generated == 3, "a retired worker's ids still count"
     slot.install(next_worker)
     slot.open_until = 10.0
     slot.next_ids(4)
     assert slot.counters().ids_generated == 7
-    second = slot.retire()
-    assert second is not None
-    second.close()
+    assert slot.retire() is not None
     assert slot.counters().ids_generated == 7

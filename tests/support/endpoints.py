@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.error
 import urllib.request
 from typing import Any
@@ -51,3 +52,11 @@ class Endpoints:
         for client in self._clients:
             client.close()
         self._clients.clear()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (for a peer or ZooKeeper that is not there)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port

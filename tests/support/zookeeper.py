@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 from kazoo.client import KazooClient
 
+from tests.support.endpoints import free_port
+
 CLASSPATH = "/etc/zookeeper/conf:/usr/share/java/zookeeper.jar"
 JAR = Path("/usr/share/java/zookeeper.jar")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ZooKeeper:

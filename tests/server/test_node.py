@@ -1,0 +1,76 @@
+"""The composition root: a whole server built from settings, in this process."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from kazoo.client import KazooClient
+
+from snowflake_server import ConfigurationError, Node, ServerSettings, StartupRefused, decompose
+from tests.support.endpoints import free_port
+from tests.support.inprocess import InProcessServer
+from tests.support.zookeeper import ZooKeeper
+
+
+def test_a_standalone_node_serves_and_stops_with_its_exact_mark(tmp_path: Path) -> None:
+    settings = ServerSettings(datacenter_id=2, worker_id=9)
+    with InProcessServer(settings, tmp_path) as server:
+        ids = server.raw_client().get_ids("node", 10)
+        assert {(decompose(i).datacenter_id, decompose(i).worker_id) for i in ids} == {(2, 9)}
+        status, body = server.http_get("/health")
+        assert status == 200 and json.loads(body)["worker_id"] == 9
+    state = json.loads((tmp_path / "worker-2-9.json").read_text())
+    assert state["high_water_mark_ms"] == decompose(ids[-1]).timestamp_ms, "exact, not reserved"
+
+
+def test_a_port_in_use_is_a_configuration_error_and_nothing_stays_open(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = ServerSettings(port=port, state_dir=str(tmp_path))
+        with pytest.raises(ConfigurationError, match=f"cannot listen on 127.0.0.1:{port}"):
+            Node(settings).start()
+    # The worker's lock was released: the same worker starts at once.
+    with InProcessServer(ServerSettings(), tmp_path) as server:
+        assert server.raw_client().get_id("after") > 0
+
+
+def test_an_unreachable_zookeeper_is_a_refusal_and_releases_the_port(tmp_path: Path) -> None:
+    settings = ServerSettings(
+        zookeeper=f"127.0.0.1:{free_port()}",
+        zk_connect_timeout=0.5,
+        state_dir=str(tmp_path),
+        port=free_port(),
+    )
+    with pytest.raises(StartupRefused, match="cannot reach ZooKeeper"):
+        Node(settings).start()
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", settings.port))  # closed on the way out
+
+
+@pytest.mark.zookeeper
+def test_a_cluster_node_audits_every_id_and_deregisters_with_its_mark(
+    zookeeper: ZooKeeper, zk: KazooClient, zk_path: str, tmp_path: Path
+) -> None:
+    audit = tmp_path / "audit.jsonl"
+    settings = ServerSettings(
+        zookeeper=zookeeper.hosts,
+        zk_path=zk_path,
+        worker_id=-1,  # auto
+        skip_sanity_checks=True,
+        audit_log=str(audit),
+    )
+    with InProcessServer(settings, tmp_path / "state") as server:
+        ids = server.raw_client().get_ids("cluster", 50)
+        status, body = server.http_get("/health")
+        assert status == 200 and json.loads(body)["registered"] == f"{zk_path}/nodes/0/0"
+        assert zk.exists(f"{zk_path}/nodes/0/0") is not None
+    assert zk.exists(f"{zk_path}/nodes/0/0") is None, "deregistered at shutdown"
+    mark = int(zk.get(f"{zk_path}/marks/0/0")[0])
+    assert mark == decompose(ids[-1]).timestamp_ms, "the exact final mark"
+    written = [int(json.loads(line)["id"]) for line in audit.read_text().splitlines()]
+    assert written == ids, "the cluster closed before the audit trail: every id written"
