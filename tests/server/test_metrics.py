@@ -15,6 +15,7 @@ from snowflake_server._observability.metrics import OVERFLOW_AGENT, ServiceMetri
 from snowflake_server._thrift.handler import service_methods
 from tests.support.inprocess import InProcessServer
 from tests.support.processes import parse_metrics, start_server
+from tests.support.waiting import wait_until
 
 
 def make_metrics(max_agents: int = 100) -> tuple[IdGenerator, ServiceMetrics]:
@@ -126,8 +127,13 @@ def test_scraped_metrics_match_the_calls_made(transport: Transport) -> None:
         counts = parse_metrics(server.metrics())  # the connection is still open
         assert {k: counts[k] for k in expected} == expected
         client.close()
+        # The server's connection thread sees the close a moment later.
+        wait_until(
+            lambda: parse_metrics(server.metrics())["snowflake_connections_open"] == 0,
+            "the closed connection counted out",
+            5,
+        )
         after_close = parse_metrics(server.metrics())
-        assert after_close["snowflake_connections_open"] == 0
         expected["snowflake_connections_open"] = 0
         assert {k: after_close[k] for k in expected} == expected
     finally:
