@@ -164,6 +164,7 @@ class _Fuzz:
         pytest.param(st.binary(max_size=512), id="random"),
     ],
 )
+@pytest.mark.slow  # 1,500 hostile inputs each
 def test_fuzz_leaves_the_server_serving(strategy: Any) -> None:
     server = start_server()
     try:
