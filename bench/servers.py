@@ -99,7 +99,7 @@ def start_ours(name: str, log_dir: Path, state_dir: Path, *args: str) -> Server:
     command = [
         sys.executable, "-m", "snowflake_server", "--host", "127.0.0.1", "--port", "0",
         "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--state-dir", str(state_dir),
-        "--log-level", "warning", *args,
+        "--log-level", "warning", "--first-start-wait", "0", *args,
     ]  # fmt: skip
     return launch(name, command, READY_PREFIX, log_dir)
 

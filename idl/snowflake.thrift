@@ -34,7 +34,7 @@ exception UnavailableError {
   1: string message,
 }
 
-/** get_ids was asked for a count outside 1..2^sequence_bits (1..4096 by default). */
+/** get_ids was asked for a count outside 1..min(max_batch, 2^sequence_bits): 1..4096 by default. */
 exception InvalidCountError {
   1: string message,
 }
@@ -78,7 +78,7 @@ service Snowflake {
   /** This server's datacenter id. */
   i64 get_datacenter_id()
 
-  /** 1..2^sequence_bits (4096 by default) new ids, increasing, in one round trip. */
+  /** 1..min(max_batch, 2^sequence_bits) new ids (4096 by default), increasing, in one round trip. */
   list<i64> get_ids(1: string useragent, 2: i32 count)
     throws (1: InvalidSystemClock clock_error, 2: InvalidUserAgentError agent_error,
             3: InvalidCountError count_error, 4: UnavailableError unavailable)

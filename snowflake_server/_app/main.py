@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from .._config.options import load_settings
 from .._errors import ConfigurationError, StartupRefused
 from .node import serve
-from .supervisor import Supervisor
+from .supervisor import Supervisor, die_with_supervisor
 
 __all__ = ["main"]
 
@@ -40,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if settings.processes > 1:
             return Supervisor(settings).run()
+        die_with_supervisor(os.environ)
         return serve(settings)
     except ConfigurationError as e:
         print(f"snowflake-server: error: {e}", file=sys.stderr)

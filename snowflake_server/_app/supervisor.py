@@ -13,7 +13,9 @@ child that dies, and passes SIGTERM/SIGINT on.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import selectors
 import signal
 import subprocess
@@ -22,7 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from prometheus_client.core import Metric
@@ -36,12 +38,35 @@ from .._observability.admin import AdminServer
 from .._thrift.server import listen_socket
 from .ready import parse_ready_line, ready_line
 
-__all__ = ["Supervisor", "child_argv"]
+__all__ = ["SUPERVISOR_PID_ENV", "Supervisor", "child_argv", "die_with_supervisor"]
 
 log = logging.getLogger(__name__)
 _START_TIMEOUT_S = 60.0  # a child may wait for its clock (--max-startup-wait) and ZooKeeper
 _STOP_TIMEOUT_S = 10.0
 _SCRAPE_TIMEOUT_S = 2.0
+
+
+SUPERVISOR_PID_ENV = "SNOWFLAKE_SUPERVISOR_PID"
+"""Set by the supervisor for its children: the pid they must not outlive."""
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_supervisor(environ: Mapping[str, str]) -> None:
+    """In a child of the supervisor: have the kernel send SIGTERM when the supervisor
+    dies, even by SIGKILL, so that no child serves on (holding its worker id and lock)
+    unsupervised; SIGTERM is the clean stop, with the exact final marks written.
+
+    Raises ``StartupRefused`` if the supervisor died before this call took effect.
+    A process not started by the supervisor is left alone.
+    """
+    parent = environ.get(SUPERVISOR_PID_ENV)
+    if not parent:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise StartupRefused(f"prctl(PR_SET_PDEATHSIG): {os.strerror(ctypes.get_errno())}")
+    if os.getppid() != int(parent):  # it died before the kernel knew to tell us
+        raise StartupRefused(f"the supervisor (pid {parent}) is gone; not starting")
 
 
 def child_argv(settings: ServerSettings) -> list[str]:
@@ -70,7 +95,9 @@ class _Child:
 
     def start(self) -> None:
         command = [sys.executable, "-m", "snowflake_server", *child_argv(self.settings)]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        # The child asks the kernel to end it with us (see die_with_supervisor).
+        env = {**os.environ, SUPERVISOR_PID_ENV: str(os.getpid())}
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
         assert self.process.stdout is not None
         with selectors.DefaultSelector() as selector:
             selector.register(self.process.stdout, selectors.EVENT_READ)

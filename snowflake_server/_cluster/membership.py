@@ -2,23 +2,28 @@
 
 Znodes under ``--zk-path`` (``/snowflake-servers`` by default)::
 
+    layout                        persistent, the cluster's layout (JSON), written by its first node
     nodes/<datacenter>/<worker>   ephemeral, "host:port" of the node holding that worker id
-    marks/<datacenter>/<worker>   persistent, the worker id's high-water mark in ms
+    marks/<datacenter>/<worker>   persistent, the worker id's high-water mark in ms and its layout
 
-A node checks its registered peers (ids and clock, as Twitter's server did),
-then registers (a static id, or the lowest free one with ``--worker-id
-auto``), honours the id's high-water mark from ZooKeeper as well as from its
-own disk (so an id recycled from a dead host never repeats a timestamp), and
-serves. It hands out ids only while its ephemeral node is certainly its own:
-a heartbeat proves the node is still there and owned by our session, and ids
-stop ``0.9 x session timeout`` after the last proof, whatever the session
-state says. After a lost session, or a node gone, it registers again (same id
-if free, otherwise another, with that id's mark); a client stuck in SUSPENDED
-(a ZooKeeper that came back empty) is replaced by a new one.
+A node checks its registered peers (ids, clock and layout; Twitter's server
+checked the first two), checks its layout against the cluster's, then registers
+(a static id, or the lowest free one with ``--worker-id auto``), honours the
+id's high-water mark from ZooKeeper as well as from its own disk (so an id
+recycled from a dead host never repeats a timestamp), and serves. It hands out
+ids only while its ephemeral node is certainly its own: a heartbeat proves the
+node is still there and owned by our session, and ids stop ``0.9 x session
+timeout`` after the last proof, whatever the session state says. After a lost
+session, or a node gone, it registers again (same id if free, otherwise
+another, with that id's mark); a client stuck in SUSPENDED (a ZooKeeper that
+came back empty) is replaced by a new one. Every ZooKeeper call of a
+registration ends within ``--zk-connect-timeout``, so a ZooKeeper that
+vanishes during start-up refuses it in about that time.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -39,7 +44,16 @@ from .._ids.clocks import boot_clock, pause
 from .._state.reservation import MarkStore
 from .._state.worker import Worker, WorkerSlot
 from .peers import check_peers
-from .zkmarks import ZK_MARK_AHEAD_MS, ZkMarkStore
+from .zkmarks import (
+    ZK_MARK_AHEAD_MS,
+    MarkOfAnotherLayout,
+    ZkMarkStore,
+    describe_layout,
+    layout_from_json,
+    layout_to_json,
+    session_id,
+    zk_call,
+)
 
 __all__ = ["Cluster", "OpenWorker", "advertised_address"]
 
@@ -97,6 +111,9 @@ class Cluster(Collector):
         self._timeout = settings.zk_session_timeout
         self._every = min(1.0, self._timeout / 4) if supervise_every is None else supervise_every
         self._dc = settings.datacenter_id
+        self._layout = settings.layout
+        self._wait = settings.zk_connect_timeout
+        self._layout_path = f"{settings.zk_path}/layout"
         self._nodes = f"{settings.zk_path}/nodes/{self._dc}"
         self._marks = f"{settings.zk_path}/marks/{self._dc}"
         self._client: Any = None
@@ -158,16 +175,33 @@ class Cluster(Collector):
     # -- registration ---------------------------------------------------------
 
     def _register(self, preferred: int | None, patient: bool) -> None:
-        worker_id = self._lease(preferred, patient)
-        node = f"{self._nodes}/{worker_id}"
-        try:
-            store = ZkMarkStore.load(
-                lambda: self._client, f"{self._marks}/{worker_id}", self.lost_ownership
-            )
-            worker = self._open_worker(worker_id, (store, ZK_MARK_AHEAD_MS))
-        except BaseException:
-            self._delete(node)
-            raise
+        self._check_layout()
+        skipped: set[int] = set()
+        while True:
+            worker_id = self._lease(preferred, patient, skipped)
+            node = f"{self._nodes}/{worker_id}"
+            try:
+                store = ZkMarkStore.load(
+                    lambda: self._client,
+                    f"{self._marks}/{worker_id}",
+                    self.lost_ownership,
+                    self._layout,
+                    self._wait,
+                )
+                worker = self._open_worker(worker_id, (store, ZK_MARK_AHEAD_MS))
+            except MarkOfAnotherLayout as e:
+                self._delete(node)
+                if not self._settings.auto_worker_id:
+                    raise
+                # Another layout's ids of this worker id are not ordered with ours:
+                # no mark can guard them, so leave the id to that layout.
+                log.warning("skipping worker id %d: %s", worker_id, e)
+                skipped.add(worker_id)
+                continue
+            except BaseException:
+                self._delete(node)
+                raise
+            break
         self._node = node
         self._slot.install(worker)
         self._needs_register = False
@@ -175,8 +209,37 @@ class Cluster(Collector):
         log.info("registered %s as datacenter %d, worker %d", self.address, self._dc, worker_id)
         self._heartbeat()
 
-    def _lease(self, preferred: int | None, patient: bool) -> int:
-        self._client.retry(self._client.ensure_path, self._nodes)
+    def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A ZooKeeper call that ends within ``--zk-connect-timeout`` (see ``zk_call``)."""
+        return zk_call(self._client, self._wait, what, method, *args, **kwargs)
+
+    def _check_layout(self) -> None:
+        """Record our layout as the cluster's, or refuse one that differs from it."""
+        path = self._layout_path
+        ours = self._layout
+        data = json.dumps(layout_to_json(ours), sort_keys=True).encode()
+        try:
+            self._call(f"recording the layout in {path}", "create", path, data, makepath=True)
+            log.info("recorded the cluster's layout in %s: %s", path, describe_layout(ours))
+            return
+        except NodeExistsError:
+            pass
+        found, _ = self._call(f"reading the layout in {path}", "get", path)
+        try:
+            theirs = layout_from_json(json.loads(found.decode()))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise StartupRefused(
+                f"the cluster's layout in ZooKeeper {path} is not a layout ({e}); repair it by hand"
+            ) from None
+        if theirs != ours:
+            raise StartupRefused(
+                f"Layout insanity: this node would make ids with {describe_layout(ours)}, but the "
+                f"cluster ({path}) makes them with {describe_layout(theirs)}; two layouts in one "
+                "cluster hand out the same ids: start with the cluster's --epoch and --*-bits"
+            )
+
+    def _lease(self, preferred: int | None, patient: bool, skipped: set[int]) -> int:
+        self._call(f"creating {self._nodes}", "ensure_path", self._nodes)
         data = self.address.encode()
         if not self._settings.auto_worker_id:
             worker_id = self._settings.worker_id
@@ -193,16 +256,17 @@ class Cluster(Collector):
                 "--worker-id (or auto)"
             )
         max_id = self._settings.max_worker_id
-        order = list(range(max_id + 1))
-        if preferred is not None:  # the id we had, if it is still free
+        order = [w for w in range(max_id + 1) if w not in skipped]
+        if preferred is not None and preferred in order:  # the id we had, if still free
             order.remove(preferred)
             order.insert(0, preferred)
         for worker_id in order:
             if self._take(f"{self._nodes}/{worker_id}", data):
                 return worker_id
+        also = f", {len(skipped)} of them skipped for marks of another layout" if skipped else ""
         raise StartupRefused(
             f"all {max_id + 1} worker ids of datacenter {self._dc} are leased "
-            f"({self._nodes}); widen --worker-id-bits or use another datacenter id"
+            f"({self._nodes}{also}); widen --worker-id-bits or use another datacenter id"
         )
 
     def _take(self, path: str, data: bytes) -> bool:
@@ -211,24 +275,24 @@ class Cluster(Collector):
         Retried through a dropped connection; a create whose reply was lost finds our
         own node on the retry, which counts as taken.
         """
-        client = self._client
         try:
-            client.retry(client.create, path, data, ephemeral=True)
+            self._call(f"registering {path}", "create", path, data, ephemeral=True)
             return True
         except NodeExistsError:
-            stat = client.retry(client.exists, path)
-            return stat is not None and stat.ephemeralOwner == client.client_id[0]
+            stat = self._call(f"reading {path}", "exists", path)
+            ours = session_id(self._client, f"registering {path}")
+            return stat is not None and stat.ephemeralOwner == ours
 
     def _holder(self, path: str) -> str:
         try:
-            data, _ = self._client.get(path)
+            data, _ = self._call(f"reading {path}", "get", path)
             return str(data.decode(errors="replace"))
-        except KazooException:
+        except (KazooException, StartupRefused):
             return "another node"
 
     def _delete(self, node: str) -> None:
         try:
-            self._client.delete(node)
+            self._client.delete_async(node).get(timeout=_OP_TIMEOUT_S)
         except (KazooException, KazooTimeoutError) as e:
             log.warning("could not delete %s: %s (it expires with the session)", node, e)
 
@@ -288,7 +352,10 @@ class Cluster(Collector):
         assert node is not None
         sent = self._gate()
         stat = self._client.exists_async(node).get(timeout=_OP_TIMEOUT_S)
-        if stat is None or stat.ephemeralOwner != self._client.client_id[0]:
+        session = self._client.client_id
+        if stat is not None and session is None:
+            return  # disconnected since it answered: not proven, the gate stays as it is
+        if stat is None or stat.ephemeralOwner != session[0]:
             log.error("our registration %s is gone or not ours any more", node)
             self._slot.close(f"registration {node} lost; registering again")
             self._needs_register = True
@@ -303,8 +370,9 @@ class Cluster(Collector):
         old = self._slot.retire()
         previous = old.worker_id if old is not None else None
         if self._node is not None:
-            stat = self._client.exists(self._node)
-            if stat is not None and stat.ephemeralOwner == self._client.client_id[0]:
+            stat = self._call(f"reading {self._node}", "exists", self._node)
+            ours = session_id(self._client, f"registering again after {self._node}")
+            if stat is not None and stat.ephemeralOwner == ours:
                 self._delete(self._node)  # ours; a node someone else holds is not ours to delete
         self._node = None
         self._register(preferred=previous, patient=False)

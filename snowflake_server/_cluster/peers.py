@@ -1,9 +1,12 @@
-"""Twitter's start-up sanity checks: every registered peer's ids and clock.
+"""Twitter's start-up sanity checks: every registered peer's ids and clock, and its layout.
 
 A node asks each registered peer for its worker id, datacenter id and time
-before it registers: a peer answering with ids other than those registered at
-its address (worker or datacenter insanity), an unreachable peer, or a mean
-clock offset beyond ``--max-peer-skew`` refuses start-up.
+before it registers, and for its layout: a peer answering with ids other than
+those registered at its address (worker or datacenter insanity), a layout
+other than ours (layout insanity), an unreachable peer, or a mean clock offset
+beyond ``--max-peer-skew`` refuses start-up. A peer without ``get_layout``
+(Twitter's server) is not asked for it; the layout recorded in ZooKeeper
+covers it.
 """
 
 from __future__ import annotations
@@ -13,10 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 from kazoo.exceptions import NoNodeError
+from snowflake_thrift_client import Layout
+from snowflake_thrift_client._idl import layout_from_thrift
 from snowflake_thrift_client._transports import open_client
+from thriftpy2.thrift import TApplicationException
 
 from .._config.settings import ClusterSettings
 from .._errors import StartupRefused
+from .zkmarks import describe_layout, zk_call
 
 __all__ = ["check_peers", "children"]
 
@@ -25,10 +32,12 @@ log = logging.getLogger(__name__)
 _PEER_TIMEOUT_S = 1.0
 
 
-def children(client: Any, path: str) -> list[str]:
-    """The children of ``path`` in numeric order (none if it does not exist)."""
+def children(client: Any, path: str, timeout_s: float = 10.0) -> list[str]:
+    """The children of ``path`` in numeric order (none if it does not exist), read
+    within ``timeout_s`` (``StartupRefused`` otherwise)."""
     try:
-        names = client.retry(client.get_children, path)
+        names = zk_call(client, timeout_s, f"reading the registrations in {path}",
+                        "get_children", path)  # fmt: skip
         return sorted(names, key=lambda n: (len(n), n))
     except NoNodeError:
         return []
@@ -46,10 +55,12 @@ def check_peers(
     # One address may hold several registrations (a node run with --processes: any
     # of its processes may answer), so each address is asked once.
     registered: dict[str, set[tuple[int, int]]] = {}
-    for dc_name in children(client, root):
-        for worker_name in children(client, f"{root}/{dc_name}"):
+    wait = settings.zk_connect_timeout
+    for dc_name in children(client, root, wait):
+        for worker_name in children(client, f"{root}/{dc_name}", wait):
+            path = f"{root}/{dc_name}/{worker_name}"
             try:
-                data, _ = client.retry(client.get, f"{root}/{dc_name}/{worker_name}")
+                data, _ = zk_call(client, wait, f"reading the registration {path}", "get", path)
             except NoNodeError:
                 continue  # gone meanwhile
             peer = data.decode(errors="replace")
@@ -57,8 +68,10 @@ def check_peers(
     # Our own address: sibling processes on this host and clock; asking could even
     # reach our own listening socket, which does not answer before we register.
     registered.pop(address, None)
-    transport = settings.transport
-    skews = [(peer, _check_peer(peer, ids, transport, clock)) for peer, ids in registered.items()]
+    transport, layout = settings.transport, settings.layout
+    skews = [
+        (peer, _check_peer(peer, ids, transport, clock, layout)) for peer, ids in registered.items()
+    ]
     if not skews:
         log.info("no registered peers to check")
         return
@@ -75,10 +88,14 @@ def check_peers(
 
 
 def _check_peer(
-    peer: str, registered: set[tuple[int, int]], transport: str, clock: Callable[[], int]
+    peer: str,
+    registered: set[tuple[int, int]],
+    transport: str,
+    clock: Callable[[], int],
+    layout: Layout,
 ) -> int:
     """The peer's clock minus ours, in ms, after checking its ids against the
-    (datacenter, worker) pairs registered at its address.
+    (datacenter, worker) pairs registered at its address, and its layout against ours.
 
     Several pairs at one address are the processes of one node (``--processes``):
     the kernel picks which one answers a connection, so connections are opened
@@ -90,7 +107,19 @@ def _check_peer(
     answered: set[tuple[int, int]] = set()
     skew: int | None = None
     for _ in range(8 * len(registered)):
-        pair, offset = _ask_peer(peer, where, transport, clock)
+        pair, offset, theirs = _ask_peer(peer, where, transport, clock)
+        if theirs is None:
+            log.warning(
+                "%s has no get_layout (Twitter's server?): its layout is not checked; the "
+                "layout recorded in ZooKeeper still is",
+                where,
+            )
+        elif theirs != layout:
+            raise StartupRefused(
+                f"Layout insanity: {where} makes ids with {describe_layout(theirs)}, this node "
+                f"would make them with {describe_layout(layout)}; two layouts in one cluster "
+                "hand out the same ids: start with the cluster's --epoch and --*-bits"
+            )
         if pair[1] not in {w for _, w in registered}:
             raise StartupRefused(f"Worker id insanity: {where} says it is worker {pair[1]}")
         if pair not in registered:
@@ -110,8 +139,9 @@ def _check_peer(
 
 def _ask_peer(
     peer: str, where: str, transport: str, clock: Callable[[], int]
-) -> tuple[tuple[int, int], int]:
-    """One connection: the (datacenter, worker) that answers, and its clock minus ours."""
+) -> tuple[tuple[int, int], int, Layout | None]:
+    """One connection: the (datacenter, worker) that answers, its clock minus ours,
+    and its layout (None if it has no ``get_layout``)."""
     host, _, port = peer.rpartition(":")
     try:
         client = open_client(host, int(port), transport, _PEER_TIMEOUT_S)
@@ -121,6 +151,13 @@ def _ask_peer(
             before = clock()
             peer_time = client.get_timestamp()
             after = clock()
+            theirs: Layout | None
+            try:
+                theirs = layout_from_thrift(client.get_layout())[0]
+            except TApplicationException as e:
+                if e.type != TApplicationException.UNKNOWN_METHOD:
+                    raise
+                theirs = None
         finally:
             client.close()
     except Exception as e:  # noqa: BLE001 - any failure to get an answer
@@ -128,4 +165,4 @@ def _ask_peer(
             f"{where} is unreachable: {e}; if it is gone for good its node expires with "
             "its session, or start with --skip-sanity-checks"
         ) from None
-    return (int(peer_dc), int(peer_worker)), int(peer_time - (before + after) // 2)
+    return (int(peer_dc), int(peer_worker)), int(peer_time - (before + after) // 2), theirs

@@ -1,21 +1,104 @@
-"""A worker id's high-water mark in ZooKeeper (``marks/<datacenter>/<worker>``)."""
+"""A worker id's high-water mark in ZooKeeper (``marks/<datacenter>/<worker>``), the
+cluster's layout beside it, and ZooKeeper calls bounded in time.
+
+A mark is stored as JSON, ``{"mark_ms": N, "layout": {...}}``: a mark only guards
+the ids of the layout it was made under. A plain number (0.1.0 wrote those) is a
+mark of the layout in use.
+"""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable
 from typing import Any
 
-from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
+from kazoo.exceptions import (
+    BadVersionError,
+    ConnectionClosedError,
+    NodeExistsError,
+    NoNodeError,
+)
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.retry import KazooRetry, RetryFailedError
+from snowflake_thrift_client import Layout
 
-from .._errors import ReservationError, StartupRefused
+from .._errors import ConfigurationError, ReservationError, StartupRefused
 from .._state.reservation import MarkStore
 
-__all__ = ["ZK_MARK_AHEAD_MS", "ZkMarkStore"]
+__all__ = [
+    "ZK_MARK_AHEAD_MS",
+    "MarkOfAnotherLayout",
+    "ZkMarkStore",
+    "describe_layout",
+    "layout_from_json",
+    "layout_to_json",
+    "session_id",
+    "zk_call",
+]
 
 ZK_MARK_AHEAD_MS = 2000
 """How far ahead of the clock the mark in ZooKeeper is reserved (rounded up to whole
 seconds, so it is written about once a second)."""
 _OP_TIMEOUT_S = 2.0
+_LAYOUT_FIELDS = ("epoch_ms", "timestamp_bits", "datacenter_id_bits", "worker_id_bits",
+                  "sequence_bits")  # fmt: skip
+
+
+def layout_to_json(layout: Layout) -> dict[str, int]:
+    return {name: int(getattr(layout, name)) for name in _LAYOUT_FIELDS}
+
+
+def layout_from_json(value: object) -> Layout:
+    """The layout of a JSON object; ``ValueError`` if it is not one."""
+    if not isinstance(value, dict) or set(value) != set(_LAYOUT_FIELDS):
+        raise ValueError(f"not a layout: {value!r}")
+    try:
+        return Layout(**value)
+    except ConfigurationError as e:
+        raise ValueError(str(e)) from None
+
+
+def describe_layout(layout: Layout) -> str:
+    """``epoch 1288834974657 ms, bits 41/5/5/12 (timestamp/datacenter/worker/sequence)``."""
+    return (
+        f"epoch {layout.epoch_ms} ms, bits {layout.timestamp_bits}/{layout.datacenter_id_bits}/"
+        f"{layout.worker_id_bits}/{layout.sequence_bits} (timestamp/datacenter/worker/sequence)"
+    )
+
+
+def zk_call(client: Any, timeout_s: float, what: str, method: str, *args: Any, **kw: Any) -> Any:
+    """``client.<method>_async(...)``, retried through a dropped connection but ended
+    within ``timeout_s`` (``--zk-connect-timeout``): ``StartupRefused`` saying ``what``
+    was being done. A plain kazoo call waits for reconnection and retries with
+    backoff, which stretched a start-up against a vanished ZooKeeper to half a minute.
+    """
+    deadline = time.monotonic() + timeout_s
+
+    def attempt() -> Any:
+        left = max(0.05, deadline - time.monotonic())
+        return getattr(client, f"{method}_async")(*args, **kw).get(timeout=left)
+
+    retry = KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0, deadline=timeout_s)
+    try:
+        return retry(attempt)
+    except (KazooTimeoutError, RetryFailedError, ConnectionClosedError) as e:
+        raise StartupRefused(
+            f"ZooKeeper did not answer within {timeout_s:g} s (--zk-connect-timeout) while "
+            f"{what} ({type(e).__name__}); is it running? start again once it is"
+        ) from None
+
+
+def session_id(client: Any, what: str) -> int:
+    """Our session's id; ``StartupRefused`` while kazoo is disconnected (it has none)."""
+    ids = client.client_id if client is not None else None
+    if ids is None:
+        raise StartupRefused(f"the ZooKeeper connection dropped while {what}; start again")
+    return int(ids[0])
+
+
+class MarkOfAnotherLayout(StartupRefused):
+    """The mark was recorded under another layout: it does not guard our ids."""
 
 
 class ZkMarkStore(MarkStore):
@@ -39,6 +122,7 @@ class ZkMarkStore(MarkStore):
         version: int | None,
         session: int,
         on_lost: Callable[[str], None],
+        layout: Layout | None = None,
     ) -> None:
         super().__init__(mark_ms)
         self._client = client
@@ -46,27 +130,31 @@ class ZkMarkStore(MarkStore):
         self._version = version  # None: the znode does not exist yet
         self._session = session
         self._on_lost = on_lost
+        self._layout = layout_to_json(layout or Layout())
 
     @classmethod
     def load(
-        cls, client: Callable[[], Any], path: str, on_lost: Callable[[str], None]
+        cls,
+        client: Callable[[], Any],
+        path: str,
+        on_lost: Callable[[str], None],
+        layout: Layout | None = None,
+        timeout_s: float = _OP_TIMEOUT_S,
     ) -> ZkMarkStore:
         """The store of ``path`` with the mark found there (-1 if none), bound to the
         session that holds the registration now. ``client`` returns the current
-        ZooKeeper client (cluster mode may replace it)."""
+        ZooKeeper client (cluster mode may replace it). A mark recorded under a
+        layout other than ``layout`` (the default one if None) raises
+        ``MarkOfAnotherLayout``; ``timeout_s`` bounds the read."""
+        ours = layout or Layout()
         zk = client()
-        session = zk.client_id[0]
+        session = session_id(zk, f"loading the high-water mark {path}")
         try:
-            data, stat = zk.retry(zk.get, path)
-            mark, version = int(data.decode()), stat.version
+            data, stat = zk_call(zk, timeout_s, f"loading the high-water mark {path}", "get", path)
+            mark, version = _parse_mark(path, data, ours), stat.version
         except NoNodeError:
             mark, version = -1, None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise StartupRefused(
-                f"the high-water mark in ZooKeeper {path} is not a number ({e}); it guards "
-                "against repeating ids of a recycled worker id: repair it by hand"
-            ) from None
-        return cls(client, path, mark, version, session, on_lost)
+        return cls(client, path, mark, version, session, on_lost, ours)
 
     @property
     def where(self) -> str:
@@ -77,12 +165,19 @@ class ZkMarkStore(MarkStore):
 
     def _store(self, mark_ms: int) -> None:
         zk = self._client()
-        data = str(mark_ms).encode()
-        owner = zk.client_id if zk is not None else None
-        if owner is None or owner[0] != self._session:
+        data = json.dumps({"mark_ms": mark_ms, "layout": self._layout}).encode()
+        if zk is None:
+            raise ReservationError(f"not writing {self._path}: no ZooKeeper client")
+        owner = zk.client_id
+        if owner is None:  # kazoo has no client_id while disconnected; the session may live
             raise ReservationError(
-                f"not writing {self._path}: the ZooKeeper session that registered this "
-                "worker id is gone"
+                f"not writing {self._path}: disconnected from ZooKeeper ({zk.client_state}); "
+                "the session that registered this worker id may still be alive"
+            )
+        if owner[0] != self._session:
+            raise ReservationError(
+                f"not writing {self._path}: the ZooKeeper session that registered this worker "
+                f"id (0x{self._session:x}) is gone; this client's session is 0x{owner[0]:x}"
             )
         try:
             if self._version is None:
@@ -94,8 +189,39 @@ class ZkMarkStore(MarkStore):
                     timeout=_OP_TIMEOUT_S
                 )
                 self._version = stat.version
+        except KazooTimeoutError:
+            raise ReservationError(
+                f"writing {self._path}: no reply from ZooKeeper within {_OP_TIMEOUT_S:g} s"
+            ) from None
         except (BadVersionError, NodeExistsError):
             self._on_lost(f"{self._path} was changed by another node")
             raise ReservationError(
                 f"{self._path} was changed by another node: this node no longer owns the worker id"
             ) from None
+
+
+def _parse_mark(path: str, data: bytes, ours: Layout) -> int:
+    """The mark in ``data``: JSON with its layout, or a plain number (0.1.0's)."""
+    try:
+        value = json.loads(data.decode())
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value  # 0.1.0 recorded no layout: a mark of the one in use
+        if not isinstance(value, dict) or set(value) != {"mark_ms", "layout"}:
+            raise ValueError(f"neither a number nor a mark with its layout: {value!r}")
+        mark = value["mark_ms"]
+        if not isinstance(mark, int) or isinstance(mark, bool):
+            raise ValueError(f"mark_ms is not a number: {mark!r}")
+        recorded = layout_from_json(value["layout"])
+    except (ValueError, UnicodeDecodeError) as e:
+        raise StartupRefused(
+            f"the high-water mark in ZooKeeper {path} is not a number ({e}); it guards "
+            "against repeating ids of a recycled worker id: repair it by hand"
+        ) from None
+    if recorded != ours:
+        raise MarkOfAnotherLayout(
+            f"the high-water mark {path} was recorded under another layout "
+            f"({describe_layout(recorded)}) than ours ({describe_layout(ours)}); ids of one "
+            "worker id under two layouts can collide: use the layout the cluster was "
+            "started with (--epoch and the --*-bits flags)"
+        )
+    return mark

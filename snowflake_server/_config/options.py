@@ -113,6 +113,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("discard_corrupt_state", _bool,
            "Start even if the state file is unreadable or corrupt, as if it were "
            "missing. Only when the clock is surely past every id this worker issued."),
+    Option("first_start_wait", float,
+           "When no high-water mark exists anywhere (no state file; in cluster mode none in "
+           "ZooKeeper either), wait this long before the first id, so that a clock stepped "
+           "back by at most this much cannot repeat ids of a lost state (Twitter slept at "
+           "every start). 0: no wait.", "SECONDS"),
+    Option("host_lock_scope", str,
+           "Name of the host-wide worker lock's scope: two servers on one host (one network "
+           "namespace) with one (datacenter, worker) and the same scope refuse to run at "
+           "once, whatever their --state-dir. Only for tests that run many servers at once.",
+           "NAME"),
     Option("zookeeper", str,
            "Cluster mode: ZooKeeper ensemble to register in, HOST:PORT[,HOST:PORT...]. "
            "Empty: standalone.", "HOSTS"),
@@ -138,6 +148,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_connections", int,
            "Client connections served at once; further ones are closed at once and "
            "counted.", "N"),
+    Option("max_batch", int,
+           "Most ids one get_ids call may ask for, whatever the layout (at most "
+           "2^sequence_bits are made per ms).", "N"),
     Option("max_frame_size", int,
            "Largest request accepted, in bytes; a larger frame is refused before it is "
            "read.", "BYTES"),
@@ -162,11 +175,11 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ids & layout", ("datacenter_id", "worker_id", "epoch", "timestamp_bits",
                       "datacenter_id_bits", "worker_id_bits", "sequence_bits", "sequence_start")),
     ("clock & state", ("max_backwards_ms", "state_dir", "max_startup_wait",
-                       "discard_corrupt_state")),
+                       "discard_corrupt_state", "first_start_wait", "host_lock_scope")),
     ("cluster", ("zookeeper", "zk_path", "advertise_host", "advertise_port", "max_peer_skew",
                  "skip_sanity_checks", "zk_session_timeout", "zk_connect_timeout")),
     ("security", ("tls_cert", "tls_key", "tls_client_ca", "audit_log", "audit_queue")),
-    ("limits", ("max_connections", "max_frame_size", "max_agents")),
+    ("limits", ("max_connections", "max_frame_size", "max_batch", "max_agents")),
     ("observability", ("metrics_host", "metrics_port", "log_level")),
 )  # fmt: skip
 """The ``--help`` sections, each naming its options in the order shown."""

@@ -49,6 +49,9 @@ class WorkerSettings:
     state_dir: str
     max_startup_wait: float
     discard_corrupt_state: bool
+    first_start_wait: float
+    host_lock_scope: str
+    max_batch: int
 
     def generator(self, worker_id: int) -> GeneratorSettings:
         """The generator's settings for ``worker_id`` (checked against the layout)."""
@@ -58,6 +61,7 @@ class WorkerSettings:
             layout=self.layout,
             max_backwards_ms=self.max_backwards_ms,
             sequence_start=self.sequence_start,
+            max_batch=self.max_batch,
         )
 
 
@@ -70,6 +74,7 @@ class ClusterSettings:
     datacenter_id: int
     worker_id: int  # AUTO_WORKER_ID: lease the lowest free one
     max_worker_id: int
+    layout: Layout
     transport: Transport
     host: str
     advertise_host: str
@@ -145,6 +150,9 @@ class ServerSettings:
     max_startup_wait: float = 10.0
     sequence_start: Literal["zero", "random"] = "zero"
     discard_corrupt_state: bool = False
+    first_start_wait: float = 5.0
+    host_lock_scope: str = ""
+    max_batch: int = 4096
     zookeeper: str = ""
     zk_path: str = "/snowflake-servers"
     advertise_host: str = ""
@@ -166,7 +174,7 @@ class ServerSettings:
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "advertise_port"):
             _within(name, getattr(self, name), 0, 65535)
-        for name in ("max_connections", "max_frame_size", "audit_queue", "processes"):
+        for name in ("max_connections", "max_frame_size", "audit_queue", "processes", "max_batch"):
             _within(name, getattr(self, name), 1, None)
         for name in ("max_agents", "max_backwards_ms"):
             _within(name, getattr(self, name), 0, None)
@@ -177,6 +185,7 @@ class ServerSettings:
         _seconds("max_peer_skew", self.max_peer_skew, positive=True, unbounded=True)
         _seconds("idle_timeout", self.idle_timeout, positive=False, unbounded=False)
         _seconds("max_startup_wait", self.max_startup_wait, positive=False, unbounded=True)
+        _seconds("first_start_wait", self.first_start_wait, positive=False, unbounded=False)
         _one_of("transport", self.transport, ("framed", "buffered"))
         _one_of("sequence_start", self.sequence_start, ("zero", "random"))
         _one_of("log_level", self.log_level, LOG_LEVELS)
@@ -212,7 +221,8 @@ class ServerSettings:
 
     @property
     def cluster(self) -> ClusterSettings:
-        return self._view(ClusterSettings, max_worker_id=self.layout.max_worker_id)
+        layout = self.layout
+        return self._view(ClusterSettings, max_worker_id=layout.max_worker_id, layout=layout)
 
     @property
     def thrift(self) -> ThriftSettings:

@@ -41,6 +41,9 @@ class GeneratorSettings:
     ``sequence_start``: ``"zero"`` starts each ms at sequence 0 (Twitter);
     ``"random"`` at a small random offset (Leaf), so that at low traffic the
     low digits of ids (``id % 100``) are spread evenly instead of all alike.
+
+    ``max_batch``: the most ids one ``next_ids`` call returns (``--max-batch``),
+    whatever the layout; never more than one ms holds (2^sequence_bits).
     """
 
     datacenter_id: int = 0
@@ -48,12 +51,14 @@ class GeneratorSettings:
     layout: Layout = field(default_factory=Layout)
     max_backwards_ms: int = 5
     sequence_start: Literal["zero", "random"] = "zero"
+    max_batch: int = 4096
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, Layout):
             raise ConfigurationError(f"layout must be a Layout, got {self.layout!r}")
         self.layout.node_bits(self.datacenter_id, self.worker_id)
         check_int("max_backwards_ms", self.max_backwards_ms, 0, 60_000)
+        check_int("max_batch", self.max_batch, 1, 2**31 - 1)
         if self.sequence_start not in ("zero", "random"):
             raise ConfigurationError(
                 f"sequence_start must be 'zero' or 'random', got {self.sequence_start!r}"
@@ -115,6 +120,13 @@ class IdGenerator:
     first calls ``reserve(ms)``, which must persist and return a new ceiling
     of at least ``ms`` (or raise). Without them the only ceiling is the layout's.
 
+    ``reserve`` is called outside the generator's lock: the lock is released
+    for it and taken again after, and the call then starts over with a fresh
+    clock reading, so a slow write never holds up calls that need no new
+    ceiling. How long it may take is up to ``reserve`` (``Reservation.reserve``
+    waits a short, fixed time for its renewal thread). If the ceiling still does
+    not cover the fresh reading, the call raises ``ReservationError``.
+
     Its counters are updated under the generator's lock; :meth:`counters`
     reads them at any time.
     """
@@ -157,6 +169,15 @@ class IdGenerator:
         self._tolerance = settings.max_backwards_ms
         self._random_start = (
             settings.random_start_bound if settings.sequence_start == "random" else 0
+        )
+        # One call never builds more than this many ids (a 22-bit sequence field would
+        # otherwise let one get_ids ask for 4,194,304 of them, hundreds of MB).
+        self._max_batch = min(settings.max_batch, self._max_sequence + 1)
+        self._batch_limit_reason = (
+            f"one call returns at most --max-batch {settings.max_batch} ids"
+            if settings.max_batch <= self._max_sequence + 1
+            else f"one call returns at most one ms of ids: {self._max_sequence + 1} with "
+            f"{layout.sequence_bits} sequence bits"
         )
         self._reserve = reserve
         # One comparison per new ms checks both the reservation and the layout's end.
@@ -224,14 +245,16 @@ class IdGenerator:
             self._release()
 
     def next_ids(self, count: int) -> list[int]:
-        """``count`` new ids (1 up to one ms worth, 4,096 by default), increasing.
+        """``count`` new ids, increasing: 1 up to ``settings.max_batch`` (4,096 by
+        default) and at most one ms worth (2^sequence_bits).
 
         Raises ``InvalidCountError`` for a count out of range, else as ``next_id``.
         The batch is all or nothing: an error leaves no id of it issued.
         """
-        if type(count) is not int or not 1 <= count <= self._max_sequence + 1:
+        if type(count) is not int or not 1 <= count <= self._max_batch:
             raise InvalidCountError(
-                f"count must be an integer in 1..{self._max_sequence + 1}, got {count!r}"
+                f"count must be an integer in 1..{self._max_batch}, got {count!r}: "
+                f"{self._batch_limit_reason}"
             )
         ids: list[int] = []
         with self._lock:
@@ -268,15 +291,21 @@ class IdGenerator:
     def _advance(self, now: int) -> None:
         """Claim the next free (timestamp, sequence) slot, ``now`` being the clock's
         reading. The claimed sequence is left in ``self._sequence`` and the id bits of
-        its ms in ``self._base``. Caller holds the lock. The backwards check comes
-        before the sequence is touched (Twitter #6).
+        its ms in ``self._base``. Caller holds the lock (released while a new ceiling
+        is reserved). The backwards check comes before the sequence is touched
+        (Twitter #6).
         """
         last = self._last_ts
-        waited_back = waited_full = False
+        waited_back = waited_full = renewed = False
         while True:
             if now > last:
                 if now > self._ceiling:
-                    self._pass_ceiling(now)
+                    self._pass_ceiling(now, renewed)
+                    # Other calls ran meanwhile: start over from a fresh reading.
+                    renewed = True
+                    now = self._clock()
+                    last = self._last_ts
+                    continue
                 self._ids_before_this_ms += self._sequence - self._first_sequence + 1
                 self._last_ts = now
                 self._base = ((now - self._epoch) << self._ts_shift) | self._node
@@ -303,16 +332,32 @@ class IdGenerator:
                 self._sleep(behind / 1000)
             now = self._clock()
 
-    def _pass_ceiling(self, now: int) -> None:
+    def _pass_ceiling(self, now: int, renewed: bool) -> None:
+        """Reserve past ``now``, with the lock released meanwhile (the caller holds it,
+        and holds it again afterwards, whatever happens)."""
         if now > self._max_ts:
             raise TimestampOverflowError(
                 f"the layout's timestamp bits ran out at {self._max_ts} ms"
             )
-        if self._reserve is None:
+        reserve = self._reserve
+        if reserve is None:
             raise ReservationError("the generator is shut down: no more ids")
-        # The background renewal fell behind: renew now, on this id's time.
+        if renewed:
+            # Reserved once in this call already, and the clock has passed it again.
+            raise ReservationError(
+                f"no high-water mark covers ms {now} yet: the reservation reached only "
+                f"ms {self._ceiling}"
+            )
+        # The background renewal fell behind: renew now, on this id's time, and
+        # never under the lock (a write to ZooKeeper may take seconds).
         self.reservation_stalls += 1
-        ceiling = self._reserve(now)
+        self._release()
+        try:
+            ceiling = reserve(now)
+        finally:
+            self._acquire()
         if ceiling < now:
             raise ReservationError(f"reserve({now}) returned {ceiling}, before the ms asked for")
-        self._ceiling = min(ceiling, self._max_ts)
+        # Sealed meanwhile: stay sealed. Raised meanwhile: never lower.
+        if self._reserve is not None and ceiling > self._ceiling:
+            self._ceiling = min(ceiling, self._max_ts)

@@ -208,8 +208,8 @@ class ServiceMetrics(Collector):
         )
         yield _counter(
             "reservation_stalls",
-            "Times an id waited for the high-water mark to be written because the "
-            "background renewal had fallen behind.",
+            "Times a call found no high-water mark covering its ms and asked the renewal "
+            "to write one at once (it waits at most 100 ms, then fails over).",
             counts.reservation_stalls,
         )
         yield _counter(

@@ -3,8 +3,12 @@
 A server reserves time ahead (now + 1 s) in its state file before it issues
 an id, and a background thread renews the reservation every 250 ms, so the
 per-id path never touches the disk. The generator never stamps an id after
-the reserved time; if the renewal ever falls behind, the generator renews
-synchronously first (counted as a reservation stall). After a crash the next
+the reserved time. If the renewal ever falls behind, a call that needs a
+later ceiling (counted as a reservation stall) wakes the renewal thread and
+waits for it, outside the generator's lock and for at most ``RENEW_WAIT_S``;
+then it fails with ``ReservationError`` saying which store is behind and why,
+so that the client goes to another node. Writes never happen on the id path
+and never under the generator's lock. After a crash the next
 start finds a mark at most 1 s ahead of the last id, and waits for the clock
 to pass it: Twitter slept 10 s at every start instead, and Leaf's 3 s
 heartbeat let a quick restart with a small rollback through.
@@ -25,12 +29,23 @@ from prometheus_client.registry import Collector
 from .._errors import ReservationError, StartupRefused
 from .._ids.generator import IdGenerator
 
-__all__ = ["RENEW_EVERY_S", "RESERVE_AHEAD_MS", "MarkStore", "Reservation", "wait_for_clock"]
+__all__ = [
+    "RENEW_EVERY_S",
+    "RENEW_WAIT_S",
+    "RESERVE_AHEAD_MS",
+    "MarkStore",
+    "Reservation",
+    "wait_for_clock",
+]
 
 log = logging.getLogger(__name__)
 
 RESERVE_AHEAD_MS = 1000
 RENEW_EVERY_S = 0.25
+RENEW_WAIT_S = 0.1
+"""How long a call past the reserved mark waits for the renewal thread: a client
+fails over to another node sooner than a slow write (ZooKeeper: up to 2 s) ends,
+and at 1 s ahead a renewal that is merely late catches up well within it."""
 
 
 def _iso(ms: int) -> str:
@@ -146,9 +161,11 @@ class Reservation(Collector):
 
     Each store keeps its own margin ahead of the clock; the generator's ceiling
     is the lowest mark stored, so every id is covered by every store.
-    ``reserve`` is what the generator calls when an id would pass the ceiling;
-    :meth:`start` runs the renewal thread; :meth:`finish` seals the generator
-    and writes the final, exact mark to every store.
+    ``reserve`` is what the generator calls (outside its lock) when an id would
+    pass the ceiling; :meth:`start` runs the renewal thread; :meth:`finish`
+    seals the generator and writes the final, exact mark to every store.
+
+    ``wait_s``: how long ``reserve`` waits for the renewal thread once it runs.
     """
 
     def __init__(
@@ -157,38 +174,127 @@ class Reservation(Collector):
         clock: Callable[[], int],
         *,
         every_s: float = RENEW_EVERY_S,
+        wait_s: float = RENEW_WAIT_S,
     ) -> None:
         self._stores = list(stores)
         self._clock = clock
         self._every = every_s
+        self._wait = wait_s
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a call asks the renewal thread to write now
         self._thread: threading.Thread | None = None
+        # What callers waiting in reserve() watch, guarded by _changed: the lowest mark
+        # stored by the last complete write, the latest ms a caller asked for, the
+        # writes started and the last one that failed (numbered), and why it failed.
+        self._changed = threading.Condition()
+        self._ceiling = -1
+        self._wanted = -1
+        self._started = 0
+        self._failed = 0
+        self._last_error = ""
+        # The store being written now and since when (monotonic), for messages only.
+        self._writing: tuple[str, float] | None = None
         self.startup_wait_s = 0.0
 
     def reserve(self, now_ms: int) -> int:
+        """A ceiling of at least ``now_ms``: the lowest mark then stored.
+
+        Before :meth:`start` it writes every store itself. Once the renewal thread
+        runs it only asks that thread to write at once, and waits at most
+        ``wait_s`` for it. Raises ``ReservationError`` saying what happened: a
+        write failed (which store, and why), or none covers ``now_ms`` in time.
+        """
+        if self._thread is None:
+            return self._write_all(now_ms)
+        with self._changed:
+            if self._ceiling < now_ms:
+                self._wanted = max(self._wanted, now_ms)
+                # The next write to start includes now_ms: if it fails, waiting longer is moot.
+                ticket = self._started + 1
+                self._wake.set()
+                self._changed.wait_for(
+                    lambda: (
+                        self._ceiling >= now_ms or self._failed >= ticket or self._stop.is_set()
+                    ),
+                    self._wait,
+                )
+            if self._ceiling >= now_ms:
+                return self._ceiling
+            if self._stop.is_set():
+                raise ReservationError("the generator is shut down: no more ids")
+            raise ReservationError(self._behind(now_ms))
+
+    def _behind(self, now_ms: int) -> str:
+        """Why no mark covers ``now_ms`` yet (caller holds ``_changed``)."""
+        behind = [store.where for store, _ in self._stores if store.mark_ms < now_ms]
+        message = (
+            f"no high-water mark covers ms {now_ms} ({_iso(now_ms)}) yet: the renewal of "
+            f"{', '.join(behind) or 'the high-water mark'} is behind"
+        )
+        writing = self._writing
+        if writing is not None:
+            where, since = writing
+            message += f"; it has been writing {where} for {time.monotonic() - since:.3f} s"
+        if self._last_error:
+            message += f"; its last write failed: {self._last_error}"
+        return message
+
+    def _write_all(self, now_ms: int) -> int:
         """Persist marks ahead of ``now_ms`` in every store; return the lowest stored."""
         ceiling = None
         for store, ahead_ms in self._stores:
+            self._writing = (store.where, time.monotonic())
             try:
                 stored = store.advance(now_ms + ahead_ms)
             except Exception as e:  # noqa: BLE001 - OSError, ZooKeeper errors: all mean "not stored"
+                # Some errors have no text (a ZooKeeper timeout): their type says it.
                 raise ReservationError(
-                    f"cannot write the high-water mark to {store.where}: {e}"
+                    f"cannot write the high-water mark to {store.where}: "
+                    f"{str(e) or type(e).__name__}"
                 ) from None
+            finally:
+                self._writing = None
             ceiling = stored if ceiling is None else min(ceiling, stored)
         assert ceiling is not None, "a reservation needs a store"
+        with self._changed:
+            self._ceiling = max(self._ceiling, ceiling)
+            self._last_error = ""
         return ceiling
 
     def start(self, generator: IdGenerator) -> None:
-        """Renew in the background, raising ``generator``'s ceiling after each write."""
+        """Renew in the background, raising ``generator``'s ceiling after each write:
+        every ``every_s``, and at once when a call in :meth:`reserve` asks."""
 
         def renew() -> None:
-            while not self._stop.wait(self._every):
+            failing = ""  # the error logged last; a write that keeps failing is logged once
+            while not self._stop.is_set():
+                self._wake.wait(self._every)
+                self._wake.clear()
+                if self._stop.is_set():
+                    break
+                with self._changed:
+                    self._started += 1
+                    attempt = self._started
+                    now = max(self._clock(), self._wanted)
                 try:
-                    generator.raise_ceiling(self.reserve(self._clock()))
+                    ceiling = self._write_all(now)
                 except ReservationError as e:
-                    # Ids go on up to the old ceiling; past it each call retries the write.
-                    log.error("%s", e)
+                    with self._changed:
+                        self._last_error = str(e)
+                        self._failed = attempt
+                        self._changed.notify_all()
+                    # Ids go on up to the old ceiling; past it calls fail (clients go to
+                    # other nodes) and each asks for another try.
+                    if str(e) != failing:
+                        failing = str(e)
+                        log.error("%s", e)
+                    continue
+                generator.raise_ceiling(ceiling)
+                with self._changed:
+                    self._changed.notify_all()
+                if failing:
+                    failing = ""
+                    log.info("the high-water mark is written again")
 
         self._thread = threading.Thread(target=renew, name="high-water-mark", daemon=True)
         self._thread.start()
@@ -197,6 +303,9 @@ class Reservation(Collector):
         """Stop renewing, seal ``generator`` and store the newest timestamp it used
         (at least ``floor_ms``), so that a clean restart need not wait."""
         self._stop.set()
+        self._wake.set()
+        with self._changed:
+            self._changed.notify_all()  # callers waiting in reserve() give up at once
         if self._thread is not None:
             self._thread.join()
         final = max(generator.seal(), floor_ms)

@@ -4,8 +4,16 @@ The file holds a timestamp that no id issued by that worker here can exceed.
 Writes are atomic (write a temporary file, fsync it, rename it over the old
 one, fsync the directory), so a crash at any instant leaves either the old
 mark or the new one, never a torn file. While a server runs it holds an
-exclusive lock beside the file, so a second server with the same worker id on
-the same host refuses to start instead of handing out the same ids.
+exclusive lock beside the file, so a second server with the same worker id
+and the same state directory refuses to start (the host lock, ``hostlock``,
+covers other state directories).
+
+The file also records the id layout (epoch and field widths) the mark was
+issued under: the mark is a wall-clock time, and the same time makes other
+ids under another layout (a later epoch makes lower ids, repeats of old
+ones), so a start under a layout other than the recorded one is refused.
+Format 1 (0.1.0) had no layout: it is taken as written under the current
+layout and rewritten as format 2 by the first write.
 """
 
 from __future__ import annotations
@@ -13,17 +21,31 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from snowflake_thrift_client import Layout
+
 from .._errors import StartupRefused
 from .reservation import MarkStore
 
-__all__ = ["STATE_FORMAT", "StateFile", "default_state_dir"]
+__all__ = ["LAYOUT_FIELDS", "STATE_FORMAT", "StateFile", "default_state_dir"]
 
-STATE_FORMAT = 1
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = 2
+_UNVERSIONED_LAYOUT = 1  # 0.1.0's format: no layout recorded
+
+LAYOUT_FIELDS = ("epoch_ms", "timestamp_bits", "datacenter_id_bits", "worker_id_bits",
+                 "sequence_bits")  # fmt: skip
+"""What the state file records of the layout, by ``Layout``'s field names."""
+
+
+def _describe(layout: dict[str, Any]) -> str:
+    return ", ".join(f"{name} {layout.get(name)!r}" for name in LAYOUT_FIELDS)
 
 
 def default_state_dir(environ: Mapping[str, str]) -> Path:
@@ -41,18 +63,22 @@ class StateFile(MarkStore):
 
     name = "disk"
 
-    def __init__(self, path: Path, lock_fd: int, identity: dict[str, int]) -> None:
+    def __init__(self, path: Path, lock_fd: int, identity: dict[str, int], layout: Layout) -> None:
         super().__init__(-1)
         self.path = path
         self._lock_fd = lock_fd
         self._identity = identity
+        self._layout = {name: int(getattr(layout, name)) for name in LAYOUT_FIELDS}
 
     @classmethod
-    def open(cls, directory: Path, datacenter_id: int, worker_id: int) -> StateFile:
-        """Lock the state of ``(datacenter_id, worker_id)`` in ``directory``.
+    def open(
+        cls, directory: Path, datacenter_id: int, worker_id: int, layout: Layout | None = None
+    ) -> StateFile:
+        """Lock the state of ``(datacenter_id, worker_id)`` in ``directory``; its ids
+        are made under ``layout`` (Twitter's if not given).
 
         Raises ``StartupRefused`` if the directory cannot be used or another
-        process on this host holds the same worker.
+        process holds the same worker in it.
         """
         name = f"worker-{datacenter_id}-{worker_id}"
         try:
@@ -69,18 +95,21 @@ class StateFile(MarkStore):
             os.close(lock_fd)
             raise StartupRefused(
                 f"another process on this host is serving datacenter {datacenter_id}, "
-                f"worker {worker_id} (it holds {directory / f'{name}.lock'}); two servers "
-                "with one worker id would hand out the same ids"
+                f"worker {worker_id} from this state directory (it holds "
+                f"{directory / f'{name}.lock'}); two servers with one worker id would hand "
+                "out the same ids"
             ) from None
         identity = {"datacenter_id": datacenter_id, "worker_id": worker_id}
-        return cls(directory / f"{name}.json", lock_fd, identity)
+        return cls(directory / f"{name}.json", lock_fd, identity, layout or Layout())
 
     def load(self, *, discard_corrupt: bool = False) -> int | None:
         """The stored mark in ms since the Unix epoch, or None on a first start.
 
         A file that cannot be read or understood raises ``StartupRefused``:
         silently starting over could repeat ids. ``discard_corrupt`` treats
-        such a file as absent (it is overwritten by the first renewal).
+        such a file as absent (it is overwritten by the first renewal). A file
+        written under another layout always raises ``StartupRefused``: it is
+        not corrupt, and its mark means other ids under this layout.
         """
         try:
             text = self.path.read_text(encoding="utf-8")
@@ -93,16 +122,43 @@ class StateFile(MarkStore):
             mark = data["high_water_mark_ms"]
             owner = {k: data.get(k) for k in self._identity}
             version = data.get("format")
+            recorded = data["layout"] if version == STATE_FORMAT else None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             return self._corrupt(f"not a state file ({type(e).__name__}: {e})", discard_corrupt)
-        if version != STATE_FORMAT:
+        if version not in (STATE_FORMAT, _UNVERSIONED_LAYOUT):
             return self._corrupt(f"unknown format {version!r}", discard_corrupt)
         if owner != self._identity:
             return self._corrupt(f"it belongs to another worker: {owner}", discard_corrupt)
         if not isinstance(mark, int) or isinstance(mark, bool) or mark < 0:
             return self._corrupt(f"bad high_water_mark_ms {mark!r}", discard_corrupt)
+        if recorded is None:
+            log.warning(
+                "state file %s records no id layout (format 1, from 0.1.0): taking its mark "
+                "as made under the current layout (%s); the next write records it",
+                self.path, _describe(self._layout),
+            )  # fmt: skip
+        elif not self._valid_layout(recorded):
+            return self._corrupt(f"bad layout {recorded!r}", discard_corrupt)
+        elif recorded != self._layout:
+            raise StartupRefused(
+                f"state file {self.path} was written under another id layout "
+                f"({_describe(recorded)}) than this server's ({_describe(self._layout)}). "
+                "The same time makes other ids under another layout (a later epoch makes "
+                "lower ids, repeats of ids already issued). Start with the recorded layout "
+                "again (--epoch and the --*-bits options), or serve the new layout under a "
+                "new --worker-id or --datacenter-id. Only if the clock is surely past every "
+                "id the old layout issued, move the state file away"
+            )
         self._written = mark
         return mark
+
+    @staticmethod
+    def _valid_layout(recorded: object) -> bool:
+        return (
+            isinstance(recorded, dict)
+            and set(recorded) == set(LAYOUT_FIELDS)
+            and all(type(value) is int for value in recorded.values())
+        )
 
     def _corrupt(self, why: str, discard: bool) -> int | None:
         """None (start as if first) if ``discard``; else refuse with what to do."""
@@ -120,7 +176,12 @@ class StateFile(MarkStore):
         return str(self.path)
 
     def _store(self, mark_ms: int) -> None:
-        record = {"format": STATE_FORMAT, **self._identity, "high_water_mark_ms": mark_ms}
+        record = {
+            "format": STATE_FORMAT,
+            **self._identity,
+            "layout": self._layout,
+            "high_water_mark_ms": mark_ms,
+        }
         tmp = self.path.with_name(self.path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:

@@ -1,8 +1,9 @@
 """One worker id served by this process, and the slot that holds it.
 
 A :class:`Worker` is everything that makes ids for one (datacenter, worker):
-the locked state file, the high-water marks (disk, and ZooKeeper in cluster
-mode), the start-up wait for the clock, the generator and its reservation.
+the host lock, the locked state file, the high-water marks (disk, and
+ZooKeeper in cluster mode), the start-up wait for the clock (or, with no mark
+anywhere, the first-start wait), the generator and its reservation.
 In cluster mode a :class:`WorkerSlot` holds the current worker and decides
 whether ids may be handed out at all; the worker in it changes when the node
 re-registers under another id.
@@ -13,15 +14,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .._config.settings import WorkerSettings
 from .._errors import UnavailableError
 from .._ids.clocks import boot_clock, pause
 from .._ids.generator import GeneratorCounters, GeneratorSettings, IdGenerator
+from .hostlock import HostLock
 from .reservation import RESERVE_AHEAD_MS, MarkStore, Reservation, wait_for_clock
 from .statefile import StateFile
 
@@ -30,16 +33,37 @@ __all__ = ["CurrentReservation", "Worker", "WorkerSlot"]
 log = logging.getLogger(__name__)
 
 
-class Worker:
-    """Ids for one (datacenter, worker id): open with :meth:`open`, end with :meth:`close`."""
+class WorkerReservation(Reservation):
+    """A worker's reservation, and whether its start found no mark anywhere."""
 
-    def __init__(
-        self, generator: IdGenerator, reservation: Reservation, state: StateFile, floor_ms: int
-    ) -> None:
-        self.generator = generator
-        self.reservation = reservation
-        self._state = state
-        self._floor = floor_ms
+    first_start = False
+    """True if no high-water mark existed anywhere: a first start, or a lost state."""
+    first_start_wait_s = 0.0
+    """How long that start waited (``--first-start-wait``) before the first id."""
+
+    def collect(self) -> Iterable[Metric]:
+        yield from super().collect()
+        yield CounterMetricFamily(
+            "snowflake_first_starts",
+            "1 if this worker started with no high-water mark anywhere (a first start, or "
+            "a lost state directory): it waited --first-start-wait before its first id.",
+            value=int(self.first_start),
+        )
+
+
+@dataclass(eq=False)
+class Worker:
+    """Ids for one (datacenter, worker id): open with :meth:`open`, end with :meth:`close`.
+
+    ``floor_ms`` is the lowest final mark it may write (the resume point);
+    ``state`` and ``host_lock`` are held until :meth:`close`.
+    """
+
+    generator: IdGenerator
+    reservation: WorkerReservation
+    state: StateFile
+    floor_ms: int
+    host_lock: HostLock
 
     @property
     def worker_id(self) -> int:
@@ -55,13 +79,20 @@ class Worker:
         sleep: Callable[[float], object] = pause,
         remote: tuple[MarkStore, int] | None = None,
     ) -> Worker:
-        """Lock the worker's state, honour its marks (waiting for the clock if it is
-        behind them, or raising ``StartupRefused``), reserve ahead and start renewing.
+        """Take the worker's host lock, lock its state, honour its marks (waiting for
+        the clock if it is behind them, or raising ``StartupRefused``), reserve ahead
+        and start renewing. With no mark anywhere, wait ``first_start_wait`` first.
 
         ``remote`` is a second mark store and its margin (ZooKeeper in cluster
         mode): the mark of a worker id recycled from another host.
         """
-        state = StateFile.open(Path(settings.state_dir), settings.datacenter_id, worker_id)
+        dc = settings.datacenter_id
+        host_lock = HostLock.acquire(dc, worker_id, settings.host_lock_scope)
+        try:
+            state = StateFile.open(Path(settings.state_dir), dc, worker_id, settings.layout)
+        except BaseException:
+            host_lock.release()
+            raise
         try:
             marks = {state.where: state.load(discard_corrupt=settings.discard_corrupt_state)}
             stores: list[tuple[MarkStore, int]] = [(state, RESERVE_AHEAD_MS)]
@@ -71,7 +102,7 @@ class Worker:
                 stores.append(remote)
             known = {where: mark for where, mark in marks.items() if mark is not None}
             resume_after = max(known.values(), default=-1)
-            reservation = Reservation(stores, clock)
+            reservation = WorkerReservation(stores, clock)
             # Until the first reservation is stored the ceiling is the resume point:
             # no id can be stamped with a time that is not reserved.
             generator = IdGenerator(
@@ -83,7 +114,7 @@ class Worker:
                 reserve=reservation.reserve,
             )
             if not known:
-                log.info("no high-water mark for worker %d: its first start here", worker_id)
+                _first_start(reservation, worker_id, list(marks), settings.first_start_wait, sleep)
             else:
                 source = max(known, key=lambda where: known[where])
                 reservation.startup_wait_s = wait_for_clock(
@@ -93,17 +124,49 @@ class Worker:
             reservation.start(generator)
         except BaseException:
             state.close()
+            host_lock.release()
             raise
         # The final mark is at least the resume point; after a first start with no id
         # issued that is 0, not -1: no store takes a negative mark back.
-        return cls(generator, reservation, state, max(resume_after, 0))
+        return cls(generator, reservation, state, max(resume_after, 0), host_lock)
 
     def close(self) -> None:
         """Stop for good: seal the generator, store the exact last mark, unlock."""
         try:
-            self.reservation.finish(self.generator, self._floor)
+            self.reservation.finish(self.generator, self.floor_ms)
         finally:
-            self._state.close()
+            self.state.close()
+            self.host_lock.release()
+
+
+def _first_start(
+    reservation: WorkerReservation,
+    worker_id: int,
+    looked_in: list[str],
+    wait_s: float,
+    sleep: Callable[[float], object],
+) -> None:
+    """No mark anywhere: a first start, or a lost state. The last run's ids (if there
+    was one) are unknown, so wait as Twitter did at every start: a clock behind by
+    less than the wait cannot stamp an id that run already stamped."""
+    reservation.first_start = True
+    where = ", ".join(looked_in)
+    if wait_s <= 0:
+        log.warning(
+            "no high-water mark for worker %d anywhere (%s): a first start, or a lost state "
+            "directory; not waiting (--first-start-wait 0): if this worker served before "
+            "and the clock is now behind, ids can repeat",
+            worker_id, where,
+        )  # fmt: skip
+        return
+    log.warning(
+        "no high-water mark for worker %d anywhere (%s): a first start, or a lost state "
+        "directory; waiting --first-start-wait %g s before the first id, so that a clock "
+        "behind by less than that cannot repeat ids a lost state covered",
+        worker_id, where, wait_s,
+    )  # fmt: skip
+    sleep(wait_s)
+    reservation.first_start_wait_s = wait_s
 
 
 class WorkerSlot:

@@ -89,6 +89,12 @@ class _GuardedSocket(TSocket):
     def request_done(self) -> None:
         self._count = 0
 
+    @property
+    def mid_request(self) -> bool:
+        """Whether some bytes of a request were read and the request is not done: a
+        peer that hangs up now truncated its call."""
+        return self._count > 0
+
     def read(self, sz: int) -> bytes:
         # TSocket.read, without its BSD special case; Python retries EINTR itself.
         data: bytes = self.sock.recv(sz)
@@ -256,6 +262,7 @@ class ThriftServer:
     def _serve_connection(self, key: int, conn: socket.socket, peer: object) -> None:
         stats = self._metrics.open_connection()
         protocol: Any = None
+        guard: _GuardedSocket | None = None
         try:
             if conn.family in (socket.AF_INET, socket.AF_INET6):
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -280,6 +287,10 @@ class ThriftServer:
             if e.type != TTransportException.END_OF_FILE:
                 stats.count_exception("protocol_error")
                 log.info("closing connection from %s: %s", peer, e.message or e)
+            elif guard is not None and guard.mid_request:
+                # A hang-up between calls is a normal close; one inside a call is not.
+                stats.count_exception("protocol_error")
+                log.info("closing connection from %s: it hung up in the middle of a call", peer)
         except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
             log.debug("closing idle connection from %s: %s", peer, e)  # the kernel timeout
         except ssl.SSLError as e:

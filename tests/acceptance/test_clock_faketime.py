@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from snowflake_thrift_client._idl import snowflake_thrift
 
-from tests.support.endpoints import Endpoints
+from tests.support.endpoints import Endpoints, take_ids
 from tests.support.processes import (
     FakeTime,
     ServerDidNotStart,
@@ -49,11 +49,7 @@ def timed_server(faketime: FakeTime, state_dir: Path) -> Iterator[ServerProcess]
 
 
 def take(server: Endpoints, rounds: int = 50, batch: int = 100) -> list[int]:
-    client = server.raw_client()
-    ids: list[int] = []
-    for _ in range(rounds):
-        ids.extend(client.get_ids("clock-test", batch))
-    return ids
+    return take_ids(server, rounds, batch, "clock-test")
 
 
 def assert_after(later: list[int], earlier: list[int]) -> None:

@@ -11,6 +11,8 @@ import json
 import os
 import re
 import signal
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -218,7 +220,7 @@ def test_sigterm_deletes_the_node_and_stores_the_exact_mark(
     zk.start()
     try:
         assert zk.exists(f"{zk_path}/nodes/0/4") is None, "deleted at once, not at expiry"
-        mark = int(zk.get(f"{zk_path}/marks/0/4")[0])
+        mark = json.loads(zk.get(f"{zk_path}/marks/0/4")[0])["mark_ms"]
     finally:
         zk.stop()
         zk.close()
@@ -440,7 +442,7 @@ def test_a_node_that_lost_its_id_cannot_touch_the_new_holders_mark(
             os.kill(old.process.pid, signal.SIGCONT)  # it wakes up with a stale worker
             deadline = time.monotonic() + float(SESSION) * 3
             while time.monotonic() < deadline:
-                mark = int(zk.get(f"{zk_path}/marks/0/5")[0])
+                mark = json.loads(zk.get(f"{zk_path}/marks/0/5")[0])["mark_ms"]
                 issued = load.ids[-1] if load.ids else 0
                 assert mark >= decompose(issued).timestamp_ms, "the mark never drops below ids"
                 time.sleep(0.005)  # sampling the mark through a real window of time
@@ -458,3 +460,94 @@ def test_a_node_that_lost_its_id_cannot_touch_the_new_holders_mark(
         wait_until(lambda: load.count() > 2000, "load on the third holder", 20)
     assert not set(load.ids) & set(new_ids), "no id of the previous holder is repeated"
     assert min(load.ids) > max(new_ids)
+
+
+# -- issue 16: one layout per cluster; start-up bounded by --zk-connect-timeout --------
+
+DEFAULT = "epoch 1288834974657 ms, bits 41/5/5/12 (timestamp/datacenter/worker/sequence)"
+NARROW = "epoch 1288834974657 ms, bits 41/5/4/13 (timestamp/datacenter/worker/sequence)"
+
+
+@pytest.mark.parametrize("checks", ["peer-checks", "skip-sanity-checks"])
+def test_a_node_of_another_layout_is_refused(
+    zookeeper: ZooKeeper, cluster: Callable[..., Start], zk_path: str, checks: str
+) -> None:
+    """Worker 2 on 5/5/12 and worker 1 on 5/4/13 both started and issued the same ids.
+    Refused by the peer checks (get_layout), and without them by the layout znode."""
+    start = cluster(zookeeper)
+    first = start("--worker-id", "2")
+    skip = ["--skip-sanity-checks"] if checks == "skip-sanity-checks" else []
+    with pytest.raises(ServerDidNotStart) as info:
+        start("--worker-id", "1", "--worker-id-bits", "4", "--sequence-bits", "13", *skip)
+    assert info.value.returncode == 3
+    if skip:
+        expected = (f"Layout insanity: this node would make ids with {NARROW}, but the cluster "
+                    f"({zk_path}/layout) makes them with {DEFAULT}")  # fmt: skip
+    else:
+        expected = (f"Layout insanity: peer 127.0.0.1:{first.port} (registered as datacenter 0, "
+                    f"worker 2) makes ids with {DEFAULT}, this node would make them with "
+                    f"{NARROW}")  # fmt: skip
+    assert expected in info.value.log, info.value.log
+    assert first.raw_client().get_id("still") > 0
+
+
+class FreezingProxy:
+    """A TCP proxy to ``target`` that freezes ZooKeeper (SIGSTOP: it neither answers
+    nor closes connections) the moment a connection reaches it, then forwards."""
+
+    def __init__(self, target: int, zk: ZooKeeper) -> None:
+        assert zk._process is not None
+        self._zk_pid = zk._process.pid
+        self._target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.frozen_at: float | None = None
+        self._sockets: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                incoming, _ = self._listener.accept()
+                if self.frozen_at is None:
+                    os.kill(self._zk_pid, signal.SIGSTOP)
+                    self.frozen_at = time.monotonic()
+                outgoing = socket.create_connection(("127.0.0.1", self._target))
+                self._sockets += [incoming, outgoing]
+                for a, b in ((incoming, outgoing), (outgoing, incoming)):
+                    threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+            sink.shutdown(socket.SHUT_WR)
+
+    def thaw(self) -> None:
+        if self.frozen_at is not None:
+            os.kill(self._zk_pid, signal.SIGCONT)
+        for s in self._sockets:
+            s.close()
+
+
+def test_a_zookeeper_that_vanishes_during_start_up_is_refused_within_the_connect_timeout(
+    own_zk: ZooKeeper, cluster: Callable[..., Start], zk_path: str
+) -> None:
+    """Issue 16, item 8: refused after 34 s instead of --zk-connect-timeout. ZooKeeper
+    freezes while the node asks its peer, after it read the registrations and before
+    it registers."""
+    peer = start_server("--worker-id", "5")
+    proxy = FreezingProxy(peer.port, own_zk)
+    try:
+        _fake_registration(own_zk, f"{zk_path}/nodes/0/5", f"127.0.0.1:{proxy.port}")
+        with pytest.raises(ServerDidNotStart) as info:
+            cluster(own_zk)("--worker-id", "6", "--zk-connect-timeout", "2", timeout_s=60)
+        assert proxy.frozen_at is not None, info.value.log
+        took = time.monotonic() - proxy.frozen_at
+    finally:
+        proxy.thaw()
+        assert peer.stop() == 0
+    assert info.value.returncode == 3, info.value.log
+    assert "ZooKeeper did not answer within 2 s (--zk-connect-timeout) while" in info.value.log
+    assert took < 2 + 4, f"refused {took:.1f} s after ZooKeeper froze"

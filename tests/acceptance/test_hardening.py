@@ -14,11 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from snowflake_thrift_client._idl import snowflake_thrift
 from snowflake_thrift_client._transports import Transport
-from thriftpy2.protocol import TBinaryProtocol
-from thriftpy2.thrift import TApplicationException, TClient
-from thriftpy2.transport import TMemoryBuffer, TTransportException
+from thriftpy2.thrift import TApplicationException
+from thriftpy2.transport import TTransportException
 
-from tests.support.endpoints import Endpoints
+from tests.support.endpoints import Endpoints, encode_call
 from tests.support.processes import DATA, ServerProcess, parse_metrics, start_server
 from tests.support.waiting import wait_until
 
@@ -44,15 +43,6 @@ def send(server: Endpoints, payload: bytes, timeout_s: float = 5.0) -> bytes:
         while chunk := raw.recv(65536):
             reply += chunk
         return reply
-
-
-def request(method: str, **args: object) -> bytes:
-    """A well-formed framed call of ``method``, as a client would send it."""
-    buffer: Any = TMemoryBuffer()  # type: ignore[no-untyped-call]  # thriftpy2 is untyped
-    protocol: Any = TBinaryProtocol(buffer)  # type: ignore[no-untyped-call]
-    TClient(thrift.Snowflake, protocol)._send(method, **args)
-    body = bytes(buffer.getvalue())
-    return struct.pack("!i", len(body)) + body
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +102,10 @@ def test_an_http_request_on_the_thrift_port(shared_server: ServerProcess) -> Non
 
 
 _VALID = [
-    request("get_id", useragent="fuzz"),
-    request("get_ids", useragent="fuzz", count=7),
-    request("get_worker_id"),
-    request("get_layout"),
+    encode_call("get_id", useragent="fuzz"),
+    encode_call("get_ids", useragent="fuzz", count=7),
+    encode_call("get_worker_id"),
+    encode_call("get_layout"),
 ]
 
 

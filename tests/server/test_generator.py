@@ -13,14 +13,17 @@ from snowflake_server import (
     TWITTER_EPOCH_MS,
     ClockMovedBackwardsError,
     ConfigurationError,
+    GeneratorCounters,
     GeneratorSettings,
     IdGenerator,
     InvalidCountError,
     Layout,
+    ReservationError,
     TimestampOverflowError,
     decompose,
 )
 from tests.support.fakes import FakeClock
+from tests.support.waiting import run_in_thread
 
 T0 = 1_700_000_000_000
 
@@ -338,3 +341,136 @@ def test_a_batch_cut_short_counts_only_what_it_returned() -> None:
     with pytest.raises(ClockMovedBackwardsError):
         gen.next_ids(200)  # 96 fit this ms; the rest would need the next
     assert gen.counters().ids_generated == 4000
+
+
+# A bound for what must happen at once: only reached when it does not (a hang).
+PROMPTLY_S = 10.0
+# How long a stand-in for a slow write holds on unless the test lets it go on: far
+# longer than PROMPTLY_S, so a call that waits for the write shows as a hang.
+HOLD_S = 60.0
+
+
+def slow_reserve_generator() -> tuple[IdGenerator, threading.Event, threading.Event]:
+    """A generator whose reserve() blocks (as a ZooKeeper write that takes seconds)
+    until the second event is set; the first is set once a reserve() has begun."""
+    clock = FakeClock(T0)
+    entered, finish = threading.Event(), threading.Event()
+
+    def slow_reserve(ms: int) -> int:
+        entered.set()
+        finish.wait(HOLD_S)
+        return ms + 1000
+
+    gen = IdGenerator(
+        GeneratorSettings(), clock=clock, sleep=clock.sleep, ceiling_ms=T0 - 1,
+        reserve=slow_reserve,
+    )  # fmt: skip
+    return gen, entered, finish
+
+
+def test_a_slow_reserve_never_holds_the_lock() -> None:
+    # The regression of issue 16, item 5: reserve() stands in for a ZooKeeper write
+    # that takes seconds. It used to run under the generator's lock, so every call
+    # behind it hung; now other calls go on, and those covered get ids at once.
+    gen, entered, finish = slow_reserve_generator()
+    passing, passed = run_in_thread(gen.next_id)
+    assert entered.wait(PROMPTLY_S)
+    try:
+        # The renewal thread raises the ceiling meanwhile: that, and the calls it
+        # covers, must not wait for the slow write.
+        raiser, _ = run_in_thread(lambda: gen.raise_ceiling(T0 + 500))
+        raiser.join(PROMPTLY_S)
+        assert not raiser.is_alive(), "raise_ceiling waited for the slow reserve"
+        covered, got = run_in_thread(gen.next_id)
+        covered.join(PROMPTLY_S)
+        assert not covered.is_alive(), "a covered call waited for the slow reserve"
+        assert decompose(got[0]).timestamp_ms == T0  # type: ignore[arg-type]
+        assert gen.counters().reservation_stalls == 1
+    finally:
+        finish.set()
+        passing.join(PROMPTLY_S)
+    assert isinstance(passed[0], int) and passed[0] != got[0]
+    assert decompose(passed[0]).timestamp_ms == T0
+    assert gen.counters().ids_generated == 2
+
+
+def test_a_call_past_a_renewed_ceiling_raises_instead_of_renewing_again() -> None:
+    clock = FakeClock(T0)
+
+    def late_reserve(ms: int) -> int:
+        clock.now += 5  # the write took 5 ms, and reserved no margin
+        return ms
+
+    gen = IdGenerator(
+        GeneratorSettings(), clock=clock, sleep=clock.sleep, ceiling_ms=T0 - 1,
+        reserve=late_reserve,
+    )  # fmt: skip
+    with pytest.raises(ReservationError, match=f"no high-water mark covers ms {T0 + 5} yet"):
+        gen.next_id()
+    assert gen.counters() == GeneratorCounters(reservation_stalls=1)
+
+
+def test_a_reserve_that_falls_short_is_an_error() -> None:
+    clock = FakeClock(T0)
+    gen = IdGenerator(
+        GeneratorSettings(), clock=clock, sleep=clock.sleep, ceiling_ms=T0 - 1,
+        reserve=lambda ms: ms - 1,
+    )  # fmt: skip
+    with pytest.raises(ReservationError, match="before the ms asked for"):
+        gen.next_id()
+
+
+def test_sealed_while_reserving_stays_sealed() -> None:
+    gen, entered, finish = slow_reserve_generator()
+    passing, passed = run_in_thread(gen.next_id)
+    assert entered.wait(PROMPTLY_S)
+    assert gen.seal() == -1, "sealing does not wait for the write either"
+    finish.set()
+    passing.join(PROMPTLY_S)
+    assert isinstance(passed[0], ReservationError) and "shut down" in str(passed[0])
+    assert gen.ceiling_ms == -1, "the late reservation did not reopen it"
+
+
+def test_a_batch_may_span_a_renewal() -> None:
+    clock = FakeClock(T0)
+    reserved: list[int] = []
+
+    def reserve(ms: int) -> int:
+        reserved.append(ms)
+        return ms + 1000
+
+    gen = IdGenerator(
+        GeneratorSettings(), clock=clock, sleep=clock.sleep, ceiling_ms=T0, reserve=reserve
+    )
+    gen.next_ids(4000)
+    ids = gen.next_ids(200)  # crosses into T0 + 1, past the ceiling
+    assert reserved == [T0 + 1]
+    assert ids == sorted(ids) and len(set(ids)) == 200
+    assert [decompose(i).timestamp_ms for i in ids] == [T0] * 96 + [T0 + 1] * 104
+    assert gen.counters() == GeneratorCounters(
+        ids_generated=4200, sequence_exhausted_waits=1, reservation_stalls=1
+    )
+
+
+def test_one_call_is_capped_whatever_the_layout() -> None:
+    # The regression of issue 16, item 6: with 22 sequence bits one call could ask
+    # for 4,194,304 ids (hundreds of MB, seconds under the lock).
+    layout = Layout(epoch_ms=T0 - 1000, timestamp_bits=31, sequence_bits=22)
+    gen = make(FakeClock(T0), layout=layout)
+    with pytest.raises(InvalidCountError, match=r"1\.\.4096, got 4194304: .*--max-batch 4096"):
+        gen.next_ids(4_194_304)
+    assert len(gen.next_ids(4096)) == 4096
+    with pytest.raises(InvalidCountError, match=r"1\.\.4096, got 4097"):
+        gen.next_ids(4097)
+
+
+def test_max_batch_sets_the_cap_up_to_one_ms_of_ids() -> None:
+    gen = make(FakeClock(T0), max_batch=10)
+    assert len(gen.next_ids(10)) == 10
+    with pytest.raises(InvalidCountError, match=r"1\.\.10, got 11: .*--max-batch 10 ids"):
+        gen.next_ids(11)
+    narrow = make(FakeClock(T0), layout=Layout(sequence_bits=4), max_batch=1000)
+    with pytest.raises(InvalidCountError, match=r"1\.\.16, got 17: .*16 with 4 sequence bits"):
+        narrow.next_ids(17)
+    with pytest.raises(ConfigurationError, match="max_batch"):
+        GeneratorSettings(max_batch=0)

@@ -8,6 +8,7 @@ gate runs on a fake clock the tests move; the supervision thread's checks
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import socket
@@ -32,7 +33,7 @@ from snowflake_server import (
 from snowflake_server._cluster.membership import Cluster, advertised_address
 from snowflake_server._state.reservation import MarkStore
 from snowflake_server._state.worker import Worker, WorkerSlot
-from tests.support.endpoints import free_port
+from tests.support.endpoints import free_port, unique_scope
 from tests.support.fakes import FakeClock, SecondsClock
 from tests.support.zookeeper import ZooKeeper
 
@@ -168,6 +169,8 @@ def member(zookeeper: ZooKeeper, zk_path: str, tmp_path: Path) -> Iterator[Make]
             "state_dir": str(tmp_path / f"host{len(made)}"),
             "zk_session_timeout": SESSION,
             "zk_connect_timeout": 5.0,
+            "first_start_wait": 0.0,  # the marks in ZooKeeper are under test here
+            "host_lock_scope": unique_scope(),  # its own host, as its own state dir
         }
         settings = ServerSettings(**{**defaults, **overrides})
         gate, clock = SecondsClock(), FakeClock(T0)
@@ -228,7 +231,8 @@ def session_of(node: Member) -> int:
 
 
 def mark(zk: KazooClient, path: str) -> int:
-    return int(zk.get(path)[0].decode())
+    value = json.loads(zk.get(path)[0].decode())
+    return int(value if isinstance(value, int) else value["mark_ms"])
 
 
 def end_session(zookeeper: ZooKeeper, client_id: tuple[int, bytes]) -> None:
@@ -345,18 +349,6 @@ def test_our_own_node_from_a_create_whose_reply_was_lost_counts_as_taken(
     node.client.create(f"{zk_path}/nodes/0/4", b"", ephemeral=True, makepath=True)
     node.cluster.register()
     assert node.worker_id == 4 and node.slot.serving and node.sleeps == []
-
-
-def test_out_of_worker_ids_is_a_clear_refusal(member: Make, zk: KazooClient, zk_path: str) -> None:
-    narrow = {"worker_id": -1, "worker_id_bits": 1, "datacenter_id_bits": 9}
-    hold(zk, f"{zk_path}/nodes/0/0")
-    member(**narrow).join()
-    with pytest.raises(StartupRefused) as info:
-        member(**narrow).join()
-    assert str(info.value) == (
-        f"all 2 worker ids of datacenter 0 are leased ({zk_path}/nodes/0); widen "
-        "--worker-id-bits or use another datacenter id"
-    )
 
 
 def test_a_mark_that_is_not_a_number_refuses_and_leaves_no_node(
@@ -634,3 +626,146 @@ def test_close_leaves_a_node_it_may_not_delete_to_its_session(
     node.cluster.close()
     assert "it expires with the session" in log_events.wait_for(f"could not delete {zk_path}")
     assert zk.exists(f"{zk_path}/nodes/0/1") is None, "gone with the session, closed"
+
+
+# -- the layout -------------------------------------------------------------------
+
+DEFAULT = "epoch 1288834974657 ms, bits 41/5/5/12 (timestamp/datacenter/worker/sequence)"
+NARROW = "epoch 1288834974657 ms, bits 41/5/4/13 (timestamp/datacenter/worker/sequence)"
+OTHER_LAYOUT = {"worker_id_bits": 4, "sequence_bits": 13}
+
+
+def other_layouts_mark(ms: int) -> bytes:
+    layout = {"epoch_ms": 1288834974657, "timestamp_bits": 41, "datacenter_id_bits": 5,
+              "worker_id_bits": 4, "sequence_bits": 13}  # fmt: skip
+    return json.dumps({"mark_ms": ms, "layout": layout}).encode()
+
+
+def test_the_first_node_records_the_layout_and_another_layout_is_refused(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    """Issue 16, item 3: nodes of two layouts in one cluster issued the same ids."""
+    first = member(worker_id=2).join()
+    assert json.loads(zk.get(f"{zk_path}/layout")[0]) == {
+        "epoch_ms": 1288834974657,
+        "timestamp_bits": 41,
+        "datacenter_id_bits": 5,
+        "worker_id_bits": 5,
+        "sequence_bits": 12,
+    }
+    assert zk.get(f"{zk_path}/nodes/0/2")[0].decode() == first.address, "still host:port"
+    second = member(worker_id=1, **OTHER_LAYOUT)
+    with pytest.raises(StartupRefused) as info:
+        second.join()
+    assert str(info.value) == (
+        f"Layout insanity: this node would make ids with {NARROW}, but the cluster "
+        f"({zk_path}/layout) makes them with {DEFAULT}; two layouts in one cluster hand out "
+        "the same ids: start with the cluster's --epoch and --*-bits"
+    )
+    assert zk.exists(f"{zk_path}/nodes/0/1") is None and not second.slot.serving
+    member(worker_id=3).join()  # the same layout joins
+
+
+def test_a_layout_znode_that_is_not_a_layout_refuses(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    zk.create(f"{zk_path}/layout", b"41/5/5/12", makepath=True)
+    with pytest.raises(StartupRefused, match=r"layout in ZooKeeper .* is not a layout"):
+        member(worker_id=2).join()
+
+
+def test_a_static_id_whose_mark_has_another_layout_is_refused(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    """Issue 16, item 2: the mark records the layout it was made under."""
+    zk.create(f"{zk_path}/marks/0/0", other_layouts_mark(T0), makepath=True)
+    node = member(worker_id=0)
+    with pytest.raises(StartupRefused, match="was recorded under another layout") as info:
+        node.join()
+    assert f"({NARROW}) than ours ({DEFAULT})" in str(info.value)
+    assert zk.exists(f"{zk_path}/nodes/0/0") is None, "the registration was taken back"
+
+
+def test_auto_skips_an_id_whose_mark_has_another_layout(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
+) -> None:
+    zk.create(f"{zk_path}/marks/0/0", other_layouts_mark(T0), makepath=True)
+    node = member(worker_id=-1).join()
+    assert node.worker_id == 1 and node.slot.serving
+    assert zk.exists(f"{zk_path}/nodes/0/0") is None
+    log_events.wait_for("skipping worker id 0: the high-water mark")
+
+
+@pytest.mark.parametrize("another_layout", [False, True], ids=["leased", "mark-of-another-layout"])
+def test_out_of_worker_ids_is_a_clear_refusal(
+    member: Make, zk: KazooClient, zk_path: str, another_layout: bool
+) -> None:
+    narrow = {"worker_id": -1, "worker_id_bits": 1, "datacenter_id_bits": 9}
+    # Leased: another session holds id 0 and a first node takes id 1. Another layout:
+    # id 0's mark was made with another layout, and id 1 is held.
+    hold(zk, f"{zk_path}/nodes/0/{int(another_layout)}")
+    if another_layout:
+        zk.create(f"{zk_path}/marks/0/0", other_layouts_mark(T0), makepath=True)
+    else:
+        member(**narrow).join()
+    with pytest.raises(StartupRefused) as info:
+        member(**narrow).join()
+    skipped = ", 1 of them skipped for marks of another layout" if another_layout else ""
+    assert str(info.value) == (
+        f"all 2 worker ids of datacenter 0 are leased ({zk_path}/nodes/0{skipped}); widen "
+        "--worker-id-bits or use another datacenter id"
+    )
+
+
+def test_a_mark_of_0_1_0_is_a_mark_of_the_layout_in_use(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    """An upgrade from 0.1.0 (a plain number, no layout) must not refuse."""
+    zk.create(f"{zk_path}/marks/0/4", str(T0 + 5000).encode(), makepath=True)
+    node = member(worker_id=4).join()
+    assert decompose(node.slot.next_id()).timestamp_ms > T0 + 5000
+    assert json.loads(zk.get(f"{zk_path}/marks/0/4")[0])["layout"]["sequence_bits"] == 12
+
+
+# -- a ZooKeeper that vanishes during start-up ----------------------------------------
+
+
+@pytest.mark.parametrize("step", ["check_peers", "register"])
+def test_a_zookeeper_that_vanishes_during_start_up_is_refused_within_the_connect_timeout(
+    member: Make, tmp_path: Path, step: str
+) -> None:
+    """Issue 16, item 8: kazoo's retries and its wait for a reconnection took 34 s."""
+    own = ZooKeeper(tmp_path / "zk")
+    own.start()
+    try:
+        node = member(hosts=own.hosts, worker_id=3, zk_connect_timeout=1.0)
+        node.cluster.connect()
+        own.stop()
+        node.client.states.wait_for(KazooState.SUSPENDED)
+        started = time.monotonic()
+        with pytest.raises(StartupRefused) as info:
+            getattr(node.cluster, step)()
+        assert time.monotonic() - started < 2.5
+        assert str(info.value).startswith(
+            "ZooKeeper did not answer within 1 s (--zk-connect-timeout) while "
+        ), info.value
+        assert not node.slot.serving
+        started = time.monotonic()
+        node.cluster.close()
+        assert time.monotonic() - started < 5, "closing does not wait for ZooKeeper either"
+    finally:
+        own.stop()
+
+
+def test_a_connection_dropped_while_taking_an_id_is_a_refusal(
+    member: Make, zk: KazooClient, zk_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kazoo has no session id while disconnected: ``client_id`` is None (it was a
+    TypeError, a traceback and exit 1)."""
+    hold(zk, f"{zk_path}/nodes/0/5")
+    node = member(worker_id=5)
+    node.cluster.connect()
+    # Disconnected between the create that found the node and the look at its owner.
+    monkeypatch.setattr(WatchedClient, "client_id", property(lambda self: None))
+    with pytest.raises(StartupRefused, match=r"connection dropped while registering .*nodes/0/5"):
+        node.cluster.register()

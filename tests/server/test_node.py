@@ -10,7 +10,7 @@ import pytest
 from kazoo.client import KazooClient
 
 from snowflake_server import ConfigurationError, Node, ServerSettings, StartupRefused, decompose
-from tests.support.endpoints import free_port
+from tests.support.endpoints import free_port, unique_scope
 from tests.support.inprocess import InProcessServer
 from tests.support.zookeeper import ZooKeeper
 
@@ -31,7 +31,9 @@ def test_a_port_in_use_is_a_configuration_error_and_nothing_stays_open(tmp_path:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        settings = ServerSettings(port=port, state_dir=str(tmp_path))
+        settings = ServerSettings(
+            port=port, state_dir=str(tmp_path), first_start_wait=0, host_lock_scope=unique_scope()
+        )
         with pytest.raises(ConfigurationError, match=f"cannot listen on 127.0.0.1:{port}"):
             Node(settings).start()
     # The worker's lock was released: the same worker starts at once.
@@ -45,6 +47,8 @@ def test_an_unreachable_zookeeper_is_a_refusal_and_releases_the_port(tmp_path: P
         zk_connect_timeout=0.5,
         state_dir=str(tmp_path),
         port=free_port(),
+        first_start_wait=0,
+        host_lock_scope=unique_scope(),
     )
     with pytest.raises(StartupRefused, match="cannot reach ZooKeeper"):
         Node(settings).start()
@@ -70,7 +74,7 @@ def test_a_cluster_node_audits_every_id_and_deregisters_with_its_mark(
         assert status == 200 and json.loads(body)["registered"] == f"{zk_path}/nodes/0/0"
         assert zk.exists(f"{zk_path}/nodes/0/0") is not None
     assert zk.exists(f"{zk_path}/nodes/0/0") is None, "deregistered at shutdown"
-    mark = int(zk.get(f"{zk_path}/marks/0/0")[0])
+    mark = json.loads(zk.get(f"{zk_path}/marks/0/0")[0])["mark_ms"]
     assert mark == decompose(ids[-1]).timestamp_ms, "the exact final mark"
     written = [int(json.loads(line)["id"]) for line in audit.read_text().splitlines()]
     assert written == ids, "the cluster closed before the audit trail: every id written"

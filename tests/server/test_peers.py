@@ -4,18 +4,23 @@ registered by writing their address into a real ZooKeeper."""
 from __future__ import annotations
 
 import re
+import socket
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import pytest
 from kazoo.client import KazooClient
+from thriftpy2.rpc import make_server
+from thriftpy2.transport import TFramedTransportFactory
 
 from snowflake_server import ServerSettings, StartupRefused
 from snowflake_server._cluster.peers import check_peers, children
 from snowflake_server._ids.clocks import wall_clock_ms
 from tests.support.endpoints import free_port
 from tests.support.inprocess import InProcessServer
+from tests.support.processes import twitter_idl
 from tests.support.zookeeper import ZooKeeper
 
 pytestmark = pytest.mark.zookeeper
@@ -185,3 +190,73 @@ def test_peers_with_skew_within_the_allowance_pass(
         check()  # mean offset about 2 s: within 10 s
         with pytest.raises(StartupRefused, match="ms behind the mean of 2 peers' clocks"):
             check(max_peer_skew=1.0)
+
+
+# -- the layout -------------------------------------------------------------------------
+
+
+def test_a_peer_of_another_layout_is_layout_insanity(
+    check: Check, register: Register, tmp_path: Path
+) -> None:
+    """Issue 16, item 3: the checks compared ids and clocks, never the layout."""
+    narrow = ServerSettings(datacenter_id=0, worker_id=5, worker_id_bits=4, sequence_bits=13)
+    with InProcessServer(narrow, tmp_path) as other:
+        register("0/5", address(other))
+        with pytest.raises(StartupRefused) as info:
+            check()
+        check(worker_id_bits=4, sequence_bits=13)  # the peer's layout passes
+    assert str(info.value) == (
+        f"Layout insanity: peer {address(other)} (registered as datacenter 0, worker 5) makes "
+        "ids with epoch 1288834974657 ms, bits 41/5/4/13 (timestamp/datacenter/worker/"
+        "sequence), this node would make them with epoch 1288834974657 ms, bits 41/5/5/12 "
+        "(timestamp/datacenter/worker/sequence); two layouts in one cluster hand out the same "
+        "ids: start with the cluster's --epoch and --*-bits"
+    )
+
+
+class TwitterPeer:
+    """Twitter's original server, as far as the checks see it: no ``get_layout``."""
+
+    def get_worker_id(self) -> int:
+        return 5
+
+    def get_datacenter_id(self) -> int:
+        return 0
+
+    def get_timestamp(self) -> int:
+        return wall_clock_ms()
+
+    def get_id(self, useragent: str) -> int:
+        raise NotImplementedError
+
+
+@pytest.fixture
+def twitter_peer() -> Iterator[str]:
+    port = free_port()
+    server: Any = make_server(
+        twitter_idl().Snowflake, TwitterPeer(), "127.0.0.1", port,
+        trans_factory=TFramedTransportFactory(),
+    )  # fmt: skip
+    server.trans.listen()  # before the thread: the checks may dial at once
+    server.trans.listen = lambda: None
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{port}"
+    server.close()
+    socket.create_connection(("127.0.0.1", port)).close()  # wakes its accept()
+    thread.join(5)
+    server.trans.close()
+
+
+def test_a_peer_without_get_layout_is_not_checked_for_it(
+    check: Check, register: Register, twitter_peer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO")
+    register("0/5", twitter_peer)
+    check()
+    assert (
+        f"peer {twitter_peer} (registered as datacenter 0, worker 5) has no get_layout "
+        "(Twitter's server?): its layout is not checked; the layout recorded in ZooKeeper "
+        "still is" in caplog.text
+    )
+    assert "1 peer(s) sane" in caplog.text

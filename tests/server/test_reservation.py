@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
+from kazoo.handlers.threading import KazooTimeoutError
 
 from snowflake_server import (
     GeneratorSettings,
     IdGenerator,
     ReservationError,
     StartupRefused,
+    UnavailableError,
     decompose,
 )
-from snowflake_server._state.reservation import Reservation, wait_for_clock
+from snowflake_server._state.reservation import MarkStore, Reservation, wait_for_clock
 from snowflake_server._state.statefile import StateFile
 from tests.support.fakes import FakeClock
+from tests.support.waiting import run_in_thread
 
 T0 = 1_700_000_000_000
 
@@ -113,3 +117,151 @@ def test_a_failed_write_stops_ids_past_the_old_mark(tmp_path: Path) -> None:
     path.rmdir()
     path.write_text(saved)
     assert decompose(generator.next_id()).timestamp_ms == T0 + 1001, "recovers once writable"
+
+
+# A bound for what must happen at once: only reached when it does not (a hang).
+PROMPTLY_S = 10.0
+# How long a stand-in for a slow write holds on unless the test lets it go on: far
+# longer than PROMPTLY_S, so a call that waits for the write shows as a hang.
+HOLD_S = 60.0
+
+
+class SlowStore(MarkStore):
+    """A mark store in memory whose writes can be held up (a ZooKeeper write that
+    takes seconds) or made to fail."""
+
+    name = "slow"
+
+    def __init__(self) -> None:
+        super().__init__(-1)
+        self.hold = False
+        self.fail: Exception | None = None
+        self.entered = threading.Event()
+        self.go_on = threading.Event()
+
+    @property
+    def where(self) -> str:
+        return "slow:/marks/0/0"
+
+    def _store(self, mark_ms: int) -> None:
+        if self.hold:
+            self.entered.set()
+            self.go_on.wait(HOLD_S)
+        if self.fail is not None:
+            raise self.fail
+
+
+def started(clock: FakeClock, store: SlowStore, **kwargs: float) -> tuple[IdGenerator, Reservation]:
+    """A generator and its reservation with the renewal thread running, as a worker
+    has them; the thread renews only when asked (every_s: never by itself)."""
+    reservation = Reservation([(store, 1000)], clock, every_s=3600, **kwargs)
+    generator = IdGenerator(
+        GeneratorSettings(), clock=clock, sleep=clock.sleep, ceiling_ms=-1,
+        reserve=reservation.reserve,
+    )  # fmt: skip
+    generator.raise_ceiling(reservation.reserve(clock()))
+    reservation.start(generator)
+    return generator, reservation
+
+
+def test_a_slow_write_neither_blocks_the_generator_nor_hangs_the_call() -> None:
+    # The regression of issue 16, item 5: the mark write (up to 2 s in ZooKeeper)
+    # ran under the generator's lock, and every call waited for it.
+    clock = FakeClock(T0)
+    store = SlowStore()
+    generator, reservation = started(clock, store)
+    store.hold = True
+    clock.now += 1001  # past the reserved mark, and the renewal has not run
+    caller, outcome = run_in_thread(generator.next_id)
+    try:
+        assert store.entered.wait(PROMPTLY_S), "the call asked the renewal to write now"
+        counting, counted = run_in_thread(generator.counters)
+        counting.join(PROMPTLY_S)
+        assert not counting.is_alive(), "the generator's lock is held during the write"
+        caller.join(PROMPTLY_S)  # the call waits RENEW_WAIT_S, not for the write
+        assert not caller.is_alive(), "the call waits for the slow write"
+        error = outcome[0]
+        assert isinstance(error, ReservationError), error
+        assert isinstance(error, UnavailableError), "clients fail over to another node"
+        assert f"no high-water mark covers ms {T0 + 1001}" in str(error)
+        assert "the renewal of slow:/marks/0/0 is behind" in str(error)
+        assert "it has been writing slow:/marks/0/0 for " in str(error)
+    finally:
+        store.go_on.set()
+        reservation.finish(generator, floor_ms=0)
+    assert [c.reservation_stalls for c in counted] == [1]  # type: ignore[attr-defined]
+
+
+def test_a_call_past_the_mark_has_it_renewed_at_once() -> None:
+    clock = FakeClock(T0)
+    store = SlowStore()
+    # wait_s is long: the call gets its id as soon as the write is done, not after it.
+    generator, reservation = started(clock, store, wait_s=PROMPTLY_S)
+    try:
+        clock.now += 1500
+        assert decompose(generator.next_id()).timestamp_ms == T0 + 1500
+        assert store.mark_ms == T0 + 2500 and generator.ceiling_ms == T0 + 2500
+        assert generator.reservation_stalls == 1
+    finally:
+        reservation.finish(generator, floor_ms=0)
+    assert store.mark_ms == T0 + 1500, "the exact last mark"
+
+
+def test_a_failed_write_is_reported_at_once_with_its_cause(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("INFO")
+    clock = FakeClock(T0)
+    store = SlowStore()
+    generator, reservation = started(clock, store, wait_s=PROMPTLY_S)
+    try:
+        store.fail = KazooTimeoutError()  # str() is empty: the type tells what happened
+        clock.now += 1001
+        for _ in range(2):
+            with pytest.raises(ReservationError) as info:
+                generator.next_id()
+            assert str(info.value) == (
+                f"no high-water mark covers ms {T0 + 1001} (2023-11-14T22:13:21.001+00:00) yet: "
+                "the renewal of slow:/marks/0/0 is behind; its last write failed: cannot "
+                "write the high-water mark to slow:/marks/0/0: KazooTimeoutError"
+            )
+        store.fail = None
+        assert decompose(generator.next_id()).timestamp_ms == T0 + 1001, "and recovers"
+    finally:
+        reservation.finish(generator, floor_ms=0)  # joins the thread: its log is complete
+    logged = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert logged == [
+        ("ERROR", "cannot write the high-water mark to slow:/marks/0/0: KazooTimeoutError"),
+        ("INFO", "the high-water mark is written again"),
+    ], "a write that keeps failing is logged once, and its end"
+
+
+def test_an_error_without_text_is_named_by_its_type() -> None:
+    clock = FakeClock(T0)
+    store = SlowStore()
+    store.fail = KazooTimeoutError()
+    reservation = Reservation([(store, 1000)], clock)
+    with pytest.raises(ReservationError) as info:
+        reservation.reserve(T0)  # not started: written here and now
+    assert str(info.value) == (
+        "cannot write the high-water mark to slow:/marks/0/0: KazooTimeoutError"
+    )
+
+
+def test_finish_ends_the_wait_of_a_call_at_once() -> None:
+    clock = FakeClock(T0)
+    store = SlowStore()
+    generator, reservation = started(clock, store, wait_s=PROMPTLY_S)
+    generator.next_id()
+    store.hold = True
+    clock.now += 1001
+    caller, outcome = run_in_thread(generator.next_id)
+    assert store.entered.wait(PROMPTLY_S)
+    finishing, _ = run_in_thread(lambda: reservation.finish(generator, floor_ms=0))
+    caller.join(PROMPTLY_S)
+    assert not caller.is_alive(), "the call waited for the write after all"
+    assert isinstance(outcome[0], ReservationError) and "shut down" in str(outcome[0])
+    store.go_on.set()
+    finishing.join(PROMPTLY_S)
+    assert not finishing.is_alive()
+    assert store.mark_ms == T0, "the exact last mark: no id after T0"

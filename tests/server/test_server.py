@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import thriftpy2
@@ -18,6 +18,7 @@ from thriftpy2.transport import TTransportException
 
 from snowflake_server import ServerSettings, decompose
 from snowflake_server._ids.clocks import wall_clock_ms
+from tests.support.endpoints import encode_call
 from tests.support.fakes import FakeClock
 from tests.support.inprocess import InProcessServer
 from tests.support.processes import DATA, parse_metrics, start_server, twitter_idl
@@ -93,15 +94,15 @@ def test_unknown_method_is_an_application_error(server: InProcessServer) -> None
 def test_garbage_bytes_leave_the_server_serving_others(server: InProcessServer) -> None:
     good = server.raw_client()
     assert good.get_id("before") > 0
-    # (bytes, how the server counts it): None for bytes that end mid-message, which
-    # looks like any client that went away.
+    # (bytes, how the server counts it): a call cut off mid-message is a protocol
+    # error too (a client hanging up between calls is not).
     junk: list[tuple[bytes, str | None]] = [
         (b"\x00\x00\x00\x05hello", "protocol_error"),  # a frame that is no Thrift message
         (b"\xff" * 64, "frame_too_large"),  # a negative frame length
         (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", "frame_too_large"),  # 1.2 GB "frame"
-        (b"\x00\x00\x00\x08\x80\x01\x00\x01\x00\x00\x00\xff", None),  # name past its frame
+        (b"\x00\x00\x00\x08\x80\x01\x00\x01\x00\x00\x00\xff", "protocol_error"),  # name past frame
         (bytes(range(256)) * 4, "frame_too_large"),  # 66,051 bytes announced
-        (b"\x00\x00\x00\x0c\x80\x01\x00\x01\x00\x00\x00\x06get_id", None),  # truncated
+        (b"\x00\x00\x00\x0c\x80\x01\x00\x01\x00\x00\x00\x06get_id", "protocol_error"),  # cut off
     ]
     for payload, _ in junk:
         with socket.create_connection((server.host, server.port), timeout=5) as raw:
@@ -118,6 +119,29 @@ def test_garbage_bytes_leave_the_server_serving_others(server: InProcessServer) 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["framed", "buffered"])
+def test_a_call_cut_off_is_a_protocol_error_and_a_close_between_calls_is_not(
+    transport: Literal["framed", "buffered"], tmp_path: Path
+) -> None:
+    with InProcessServer(ServerSettings(transport=transport), tmp_path) as server:
+        request = encode_call("get_id", framed=transport == "framed", useragent="cut")
+        for cut in (len(request) // 2, len(request) - 1):
+            with socket.create_connection((server.host, server.port), timeout=5) as raw:
+                raw.sendall(request[:cut])
+                raw.shutdown(socket.SHUT_WR)
+                assert raw.recv(1024) == b"", "closed without a reply"
+        client = server.raw_client()
+        assert client.get_id("whole") > 0
+        client.close()  # between calls: a normal close
+        wait_until(
+            lambda: parse_metrics(server.metrics())["snowflake_connections_open"] == 0,
+            "the closed connections counted out",
+            5,
+        )
+        counts = parse_metrics(server.metrics())
+        assert counts['snowflake_exceptions_total{kind="protocol_error"}'] == 2
+
+
 def test_an_idle_client_is_not_dropped_after_3_seconds(server: InProcessServer) -> None:
     client = server.raw_client(timeout_s=10)
     first = client.get_id("idle")

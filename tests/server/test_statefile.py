@@ -11,9 +11,18 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from snowflake_thrift_client import TWITTER_EPOCH_MS, Layout
 
 from snowflake_server import StartupRefused
 from snowflake_server._state.statefile import StateFile, default_state_dir
+
+TWITTER = {
+    "epoch_ms": TWITTER_EPOCH_MS,
+    "timestamp_bits": 41,
+    "datacenter_id_bits": 5,
+    "worker_id_bits": 5,
+    "sequence_bits": 12,
+}
 
 
 def test_first_start_then_marks_survive_reopening(tmp_path: Path) -> None:
@@ -27,12 +36,18 @@ def test_first_start_then_marks_survive_reopening(tmp_path: Path) -> None:
     again.finish(950)  # after the generator is sealed the exact mark may be lower
     again.close()
     data = json.loads((tmp_path / "worker-1-2.json").read_text())
-    assert data == {"format": 1, "datacenter_id": 1, "worker_id": 2, "high_water_mark_ms": 950}
+    assert data == {
+        "format": 2,
+        "datacenter_id": 1,
+        "worker_id": 2,
+        "layout": TWITTER,
+        "high_water_mark_ms": 950,
+    }
 
 
 def test_one_process_per_worker(tmp_path: Path) -> None:
     held = StateFile.open(tmp_path, 0, 7)
-    with pytest.raises(StartupRefused, match="another process on this host is serving"):
+    with pytest.raises(StartupRefused, match="serving datacenter 0, worker 7 from this state dir"):
         StateFile.open(tmp_path, 0, 7)
     StateFile.open(tmp_path, 0, 8).close()  # another worker is fine
     held.close()
@@ -46,12 +61,21 @@ def test_one_process_per_worker(tmp_path: Path) -> None:
         ("{not json", "not a state file"),
         ("[]", "not a state file"),
         ('{"format": 1, "datacenter_id": 0, "worker_id": 0}', "not a state file"),
-        ('{"format": 2, "datacenter_id": 0, "worker_id": 0, "high_water_mark_ms": 5}', "format"),
+        ('{"format": 3, "datacenter_id": 0, "worker_id": 0, "high_water_mark_ms": 5}', "format"),
         ('{"format": 1, "datacenter_id": 0, "worker_id": 1, "high_water_mark_ms": 5}', "another"),
         ('{"format": 1, "datacenter_id": 0, "worker_id": 0, "high_water_mark_ms": "5"}', "bad"),
         ('{"format": 1, "datacenter_id": 0, "worker_id": 0, "high_water_mark_ms": -1}', "bad"),
+        # format 2 records the layout: it must be there, and whole
+        ('{"format": 2, "datacenter_id": 0, "worker_id": 0, "high_water_mark_ms": 5}', "layout"),
+        ('{"format": 2, "datacenter_id": 0, "worker_id": 0, "layout": {"epoch_ms": 1}, '
+         '"high_water_mark_ms": 5}', "bad layout"),
+        ('{"format": 2, "datacenter_id": 0, "worker_id": 0, "layout": [], '
+         '"high_water_mark_ms": 5}', "bad layout"),
+        ('{"format": 2, "datacenter_id": 0, "worker_id": 0, "layout": '
+         + json.dumps({**TWITTER, "sequence_bits": "12"})
+         + ', "high_water_mark_ms": 5}', "bad layout"),
     ],
-)
+)  # fmt: skip
 def test_a_corrupt_file_is_a_refusal_not_a_reset(tmp_path: Path, content: str, why: str) -> None:
     (tmp_path / "worker-0-0.json").write_text(content)
     state = StateFile.open(tmp_path, 0, 0)
@@ -60,6 +84,75 @@ def test_a_corrupt_file_is_a_refusal_not_a_reset(tmp_path: Path, content: str, w
     assert "--discard-corrupt-state" in str(info.value)
     assert state.load(discard_corrupt=True) is None
     state.close()
+
+
+def write_state(directory: Path, record: dict[str, object]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "worker-0-0.json").write_text(json.dumps(record))
+
+
+def test_a_format_1_file_is_taken_as_the_current_layout_and_rewritten(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """0.1.0 recorded no layout: an upgrade must not refuse to start."""
+    write_state(
+        tmp_path, {"format": 1, "datacenter_id": 0, "worker_id": 0, "high_water_mark_ms": 5000}
+    )
+    layout = Layout(epoch_ms=1000, sequence_bits=10)
+    state = StateFile.open(tmp_path, 0, 0, layout)
+    try:
+        assert state.load() == 5000
+        assert "records no id layout (format 1, from 0.1.0)" in caplog.text
+        assert "epoch_ms 1000" in caplog.text and "sequence_bits 10" in caplog.text
+        state.advance(6000)
+    finally:
+        state.close()
+    data = json.loads((tmp_path / "worker-0-0.json").read_text())
+    assert data["format"] == 2 and data["high_water_mark_ms"] == 6000
+    assert data["layout"] == {**TWITTER, "epoch_ms": 1000, "sequence_bits": 10}
+    again = StateFile.open(tmp_path, 0, 0, layout)
+    try:
+        assert again.load() == 6000, "its own layout, recorded: accepted"
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"epoch_ms": TWITTER_EPOCH_MS + 4477},
+        {"epoch_ms": TWITTER_EPOCH_MS - 1},
+        {"timestamp_bits": 40},
+        {"datacenter_id_bits": 4, "worker_id_bits": 6},
+        {"sequence_bits": 11},
+    ],
+)
+def test_a_file_of_another_layout_is_refused_even_with_discard_corrupt(
+    tmp_path: Path, change: dict[str, int]
+) -> None:
+    write_state(
+        tmp_path,
+        {
+            "format": 2,
+            "datacenter_id": 0,
+            "worker_id": 0,
+            "layout": TWITTER,
+            "high_water_mark_ms": 5000,
+        },
+    )
+    state = StateFile.open(tmp_path, 0, 0, Layout(**change))
+    try:
+        for discard in (False, True):  # not corrupt: discarding it would repeat ids
+            with pytest.raises(StartupRefused) as info:
+                state.load(discard_corrupt=discard)
+            message = str(info.value)
+            assert "was written under another id layout" in message
+            assert f"(epoch_ms {TWITTER_EPOCH_MS}, timestamp_bits 41," in message
+            changed = ", ".join(f"{k} {v}" for k, v in change.items())
+            assert changed in message.split("than this server's")[1], "both layouts named"
+            assert "--worker-id" in message and "move the state file away" in message
+    finally:
+        state.close()
 
 
 def test_an_unreadable_file_is_a_refusal(tmp_path: Path) -> None:

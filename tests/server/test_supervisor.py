@@ -6,11 +6,13 @@ import json
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from snowflake_server import decompose, load_settings
 from snowflake_server._app.supervisor import child_argv
+from tests.support.endpoints import unique_scope
 from tests.support.processes import (
     Load,
     ServerDidNotStart,
@@ -70,3 +72,34 @@ def test_children_get_exactly_the_parents_settings() -> None:
          "--state-dir", "/s", "--idle-timeout", "5"], {},
     )  # fmt: skip
     assert load_settings(child_argv(settings), {}) == settings
+
+
+def test_children_die_with_a_killed_supervisor_and_free_their_worker_ids(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    scope = unique_scope()
+    first = start_server(
+        "--processes", "2", "--worker-id", "5", state_dir=state, lock_scope=scope
+    )  # fmt: skip
+    children = child_pids(first.process.pid)
+    assert len(children) == 2
+    first.stop(signal.SIGKILL)
+    # The kernel tells each child with SIGTERM: a clean stop, final marks written.
+    wait_until(lambda: not any(alive(pid) for pid in children), "the children to exit", 10)
+    # Their worker ids and locks are free: a new supervisor starts on them at once.
+    second = start_server(
+        "--processes", "2", "--worker-id", "5", state_dir=state, lock_scope=scope
+    )  # fmt: skip
+    try:
+        workers = {decompose(second.raw_client().get_id("again")).worker_id for _ in range(40)}
+        assert workers == {5, 6}
+    finally:
+        assert second.stop() == 0
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return status.rsplit(")", 1)[1].split()[0] != "Z"

@@ -41,7 +41,15 @@ class MemoryMarks(MarkStore):
 
 
 def settings(tmp_path: Path, **overrides: object) -> ServerSettings:
-    return ServerSettings(state_dir=str(tmp_path / "state"), **overrides)  # type: ignore[arg-type]
+    """A worker's settings in this test's own host lock scope; no first-start wait
+    unless the test asks for one."""
+    values: dict[str, object] = {
+        "state_dir": str(tmp_path / "state"),
+        "first_start_wait": 0.0,
+        "host_lock_scope": str(tmp_path),  # tests running at once never share a lock
+        **overrides,
+    }
+    return ServerSettings(**values)  # type: ignore[arg-type]
 
 
 def on_disk(tmp_path: Path, worker_id: int, datacenter_id: int = 0) -> int:
@@ -75,7 +83,8 @@ def test_a_first_start_serves_at_once_and_closes_with_the_exact_mark(
     caplog.set_level("INFO")
     worker = open_worker(tmp_path, clock, worker_id=3)
     try:
-        assert "no high-water mark for worker 3: its first start here" in caplog.text
+        assert "no high-water mark for worker 3 anywhere" in caplog.text
+        assert "not waiting (--first-start-wait 0)" in caplog.text
         assert worker.worker_id == 3
         assert worker.reservation.startup_wait_s == 0.0
         assert clock.sleeps == [], "nothing to wait for"
@@ -147,6 +156,7 @@ def test_the_remote_mark_is_honoured_and_reserved_ahead(tmp_path: Path) -> None:
         now = clock()
         assert remote.stored == [now + 5000], "reserved ahead by the remote margin"
         assert decompose(worker.generator.next_id()).timestamp_ms > T0 + 2000
+        assert not worker.reservation.first_start, "a mark in ZooKeeper is a mark"
     finally:
         worker.close()
     assert remote.stored[-1] == on_disk(tmp_path, 3), "the same exact final mark in both"
@@ -160,7 +170,8 @@ def test_a_remote_store_without_a_mark_is_a_first_start(
     remote = MemoryMarks(-1)
     worker = open_worker(tmp_path, clock, remote=(remote, 2000))
     try:
-        assert "its first start here" in caplog.text
+        assert "no high-water mark for worker 3 anywhere" in caplog.text
+        assert worker.reservation.first_start
         assert remote.stored == [T0 + 2000]
     finally:
         worker.close()
@@ -183,6 +194,125 @@ def test_a_worker_held_by_another_opener_is_refused(tmp_path: Path) -> None:
     try:
         with pytest.raises(StartupRefused, match="another process on this host"):
             open_worker(tmp_path, clock)
+    finally:
+        worker.close()
+
+
+def test_the_host_lock_holds_whatever_the_state_dir(tmp_path: Path) -> None:
+    """Issue 16, item 1: another --state-dir (another user, $HOME) used to start and
+    hand out the same ids: the state file's lock lives in the directory."""
+    clock = FakeClock(T0)
+    worker = open_worker(tmp_path, clock, worker_id=5)
+    try:
+        with pytest.raises(StartupRefused, match="worker 5, whatever its --state-dir"):
+            open_worker(tmp_path, clock, worker_id=5, state_dir=str(tmp_path / "other"))
+        assert not (tmp_path / "other").exists(), "refused before touching the state"
+    finally:
+        worker.close()
+    open_worker(tmp_path, clock, worker_id=5, state_dir=str(tmp_path / "other")).close()
+
+
+def test_a_failed_open_releases_the_host_lock(tmp_path: Path) -> None:
+    clock = FakeClock(T0)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(StartupRefused, match="cannot use state directory"):
+        open_worker(tmp_path, clock, state_dir=str(blocker / "sub"))
+    held = open_worker(tmp_path, clock)  # the state file lock: refused after the host lock
+    try:
+        with pytest.raises(StartupRefused, match="from this state directory"):
+            open_worker(tmp_path, clock, host_lock_scope=str(tmp_path / "elsewhere"))
+    finally:
+        held.close()
+    issue_one_and_close(open_worker(tmp_path, clock))
+    clock.now = T0 - 60_000  # refused after both locks were taken
+    with pytest.raises(StartupRefused, match="behind"):
+        open_worker(tmp_path, clock, max_startup_wait=1.0)
+    clock.now = T0 + 10
+    open_worker(tmp_path, clock, state_dir=str(tmp_path / "fresh")).close()  # both released
+
+
+def test_a_state_file_of_another_layout_is_refused(tmp_path: Path) -> None:
+    """Issue 16, item 2: a moved epoch made lower ids, repeats of the last run's."""
+    clock = FakeClock(T0)
+    issue_one_and_close(open_worker(tmp_path, clock))
+    clock.now += 10
+    moved = settings(tmp_path).epoch + 4477
+    with pytest.raises(StartupRefused, match="written under another id layout"):
+        open_worker(tmp_path, clock, epoch=moved)
+    with pytest.raises(StartupRefused, match="written under another id layout"):
+        open_worker(tmp_path, clock, epoch=moved, discard_corrupt_state=True)
+    again = open_worker(tmp_path, clock)  # the recorded layout: served, locks released
+    again.close()
+
+
+# -- the first-start wait ---------------------------------------------------------
+
+
+def metrics_of(worker: Worker) -> dict[str, float]:
+    return {
+        sample.name: sample.value
+        for family in worker.reservation.collect()
+        for sample in family.samples
+        if not sample.labels
+    }
+
+
+def test_a_first_start_waits_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 16, item 4: with no mark anywhere, Twitter's start-up sleep."""
+    clock = FakeClock(T0)
+    caplog.set_level("WARNING")
+    worker = open_worker(tmp_path, clock, first_start_wait=3.0)
+    try:
+        assert clock.sleeps == [3.0], "the injected sleep, once"
+        assert [r.levelname for r in caplog.records] == ["WARNING"]
+        message = caplog.records[0].getMessage()
+        assert "no high-water mark for worker 3 anywhere" in message
+        assert str(tmp_path / "state" / "worker-0-3.json") in message
+        assert "a lost state directory; waiting --first-start-wait 3 s" in message
+        assert worker.reservation.first_start and worker.reservation.first_start_wait_s == 3.0
+        assert metrics_of(worker)["snowflake_first_starts_total"] == 1
+        assert on_disk(tmp_path, 3) == T0 + 3000 + 1000, "reserved after the wait"
+        assert decompose(worker.generator.next_id()).timestamp_ms == T0 + 3000
+    finally:
+        worker.close()
+    caplog.clear()
+    clock.now += 1  # past the mark: no wait for the clock either
+    again = open_worker(tmp_path, clock, first_start_wait=3.0)
+    try:
+        assert clock.sleeps == [3.0], "a mark exists now: no first-start wait"
+        assert not again.reservation.first_start and again.reservation.first_start_wait_s == 0
+        assert metrics_of(again)["snowflake_first_starts_total"] == 0
+        assert "anywhere" not in caplog.text
+    finally:
+        again.close()
+
+
+def test_a_lost_state_and_a_clock_behind_repeat_nothing(tmp_path: Path) -> None:
+    """The finding: state directory lost (tmpfs, a new container), clock 2 s behind."""
+    clock = FakeClock(T0)
+    worker = open_worker(tmp_path, clock, first_start_wait=3.0)
+    before = worker.generator.next_ids(50)
+    clock.now += 500
+    before += worker.generator.next_ids(50)
+    worker.close()
+    (tmp_path / "state" / "worker-0-3.json").unlink()
+    clock.now -= 2000
+    after = open_worker(tmp_path, clock, first_start_wait=3.0)
+    try:
+        ids = after.generator.next_ids(50)
+        assert min(ids) > max(before) and not set(ids) & set(before)
+    finally:
+        after.close()
+
+
+def test_a_discarded_corrupt_state_is_a_first_start(tmp_path: Path) -> None:
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "worker-0-3.json").write_text("{torn")
+    clock = FakeClock(T0)
+    worker = open_worker(tmp_path, clock, first_start_wait=2.0, discard_corrupt_state=True)
+    try:
+        assert worker.reservation.first_start and clock.sleeps == [2.0]
     finally:
         worker.close()
 
@@ -222,7 +352,7 @@ def test_a_slot_serves_until_open_until_on_its_clock(tmp_path: Path) -> None:
         with pytest.raises(UnavailableError, match="ZooKeeper unreachable"):
             slot.next_ids(2)
         names = {m.name for m in CurrentReservation(slot).collect()}
-        assert "snowflake_high_water_mark_timestamp_seconds" in names
+        assert {"snowflake_high_water_mark_timestamp_seconds", "snowflake_first_starts"} <= names
     finally:
         assert slot.retire() is not None
 

@@ -3,17 +3,21 @@ only by compare-and-set from the session that registered the id."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from kazoo.client import KazooClient, KazooState
 from kazoo.protocol.connection import _SESSION_EXPIRED
 
-from snowflake_server import ReservationError, StartupRefused
-from snowflake_server._cluster.zkmarks import ZkMarkStore
+from snowflake_server import Layout, ReservationError, StartupRefused
+from snowflake_server._cluster.zkmarks import MarkOfAnotherLayout, ZkMarkStore, zk_call
+from tests.support.zookeeper import ZooKeeper
 
 pytestmark = pytest.mark.zookeeper
 
@@ -47,9 +51,10 @@ def load(zk: Any, path: str, lost: Callable[[str], None]) -> ZkMarkStore:
 
 
 def stored(client: KazooClient, path: str) -> tuple[int, int]:
-    """The mark in ``path`` and the znode's version."""
+    """The mark in ``path`` and the znode's version (a plain number: another writer's)."""
     data, stat = client.get(path)
-    return int(data.decode()), stat.version
+    value = json.loads(data.decode())
+    return int(value if isinstance(value, int) else value["mark_ms"]), stat.version
 
 
 def test_no_znode_is_no_mark(zk: KazooClient, path: str) -> None:
@@ -120,6 +125,20 @@ def test_a_mark_created_by_another_writer_meanwhile_is_not_overwritten(
     assert stored(other, path)[0] == T0 + 60_000
 
 
+def test_a_disconnected_client_is_not_told_its_session_is_gone(
+    zk: KazooClient, zookeeper: ZooKeeper, path: str
+) -> None:
+    """kazoo has no client_id while disconnected: that is not a lost session, and the
+    message says which it is."""
+    lost = Lost()
+    disconnected = zookeeper.client()  # never started: no session, as while reconnecting
+    store = ZkMarkStore(lambda: disconnected, path, -1, None, zk.client_id[0], lost)
+    with pytest.raises(ReservationError, match="disconnected from ZooKeeper") as info:
+        store.advance(T0)
+    assert "may still be alive" in str(info.value) and "is gone" not in str(info.value)
+    assert lost.why == []
+
+
 def test_no_write_once_the_registering_session_has_expired(zk: KazooClient, path: str) -> None:
     lost = Lost()
     store = load(zk, path, lost)
@@ -137,7 +156,9 @@ def test_no_write_once_the_registering_session_has_expired(zk: KazooClient, path
     zk.add_listener(listen)
     zk._call(_SESSION_EXPIRED, None)  # as kazoo's own test harness expires a session
     assert reconnected.wait(10), f"a new session after LOST, saw {states}"
-    with pytest.raises(ReservationError, match="session that registered this worker id is gone"):
+    with pytest.raises(
+        ReservationError, match=r"session that registered this worker id \(0x[0-9a-f]+\) is gone"
+    ):
         store.advance(T0 + 5000)
     assert lost.why == [], "not another writer: the session is simply not ours any more"
     assert stored(zk, path)[0] == T0, "untouched"
@@ -149,7 +170,7 @@ def test_no_write_without_a_client(zk: KazooClient, path: str) -> None:
     current: list[Any] = [zk]
     store = ZkMarkStore.load(lambda: current[0], path, Lost())
     current[0] = None
-    with pytest.raises(ReservationError, match="is gone"):
+    with pytest.raises(ReservationError, match="no ZooKeeper client"):
         store.finish(T0)
     assert zk.exists(path) is None
 
@@ -160,3 +181,85 @@ def test_finish_writes_the_exact_mark_even_lower(zk: KazooClient, path: str) -> 
     store.finish(T0 + 7)
     assert stored(zk, path) == (T0 + 7, 1)
     assert store.mark_ms == T0 + 7
+
+
+# -- the layout a mark was made under -------------------------------------------------
+
+NARROW = Layout(worker_id_bits=4, sequence_bits=13)
+
+
+def test_a_mark_is_written_with_its_layout(zk: KazooClient, path: str) -> None:
+    store = ZkMarkStore.load(lambda: zk, path, Lost(), NARROW)
+    store.advance(T0 + 1)
+    assert json.loads(zk.get(path)[0]) == {
+        "mark_ms": T0 + 1000,
+        "layout": {"epoch_ms": NARROW.epoch_ms, "timestamp_bits": 41, "datacenter_id_bits": 5,
+                   "worker_id_bits": 4, "sequence_bits": 13},
+    }  # fmt: skip
+    assert ZkMarkStore.load(lambda: zk, path, Lost(), NARROW).mark_ms == T0 + 1000
+
+
+def test_a_plain_number_is_a_mark_of_the_layout_in_use(
+    zk: KazooClient, other: KazooClient, path: str
+) -> None:
+    """0.1.0 wrote plain numbers: an upgrade reads them whatever the layout."""
+    other.create(path, str(T0).encode(), makepath=True)
+    assert ZkMarkStore.load(lambda: zk, path, Lost(), NARROW).mark_ms == T0
+
+
+def test_a_mark_of_another_layout_refuses(zk: KazooClient, path: str) -> None:
+    ZkMarkStore.load(lambda: zk, path, Lost(), NARROW).advance(T0)
+    with pytest.raises(MarkOfAnotherLayout) as info:
+        load(zk, path, Lost())
+    assert str(info.value).startswith(
+        f"the high-water mark {path} was recorded under another layout (epoch 1288834974657 "
+        "ms, bits 41/5/4/13 (timestamp/datacenter/worker/sequence)) than ours (epoch "
+        "1288834974657 ms, bits 41/5/5/12 (timestamp/datacenter/worker/sequence))"
+    )
+    assert isinstance(info.value, StartupRefused)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b'{"mark_ms": 1}', b'{"mark_ms": "1", "layout": {}}', b"[1]",
+     b'{"mark_ms": 1, "layout": {"epoch_ms": 0}}'],
+    ids=["no-layout", "mark-not-a-number", "a-list", "half-a-layout"],
+)  # fmt: skip
+def test_a_mark_of_no_known_shape_refuses(
+    zk: KazooClient, other: KazooClient, path: str, data: bytes
+) -> None:
+    other.create(path, data, makepath=True)
+    with pytest.raises(StartupRefused, match="repair it by hand"):
+        load(zk, path, Lost())
+
+
+# -- ZooKeeper calls that end in time ---------------------------------------------------
+
+
+def test_load_while_disconnected_is_a_refusal(zookeeper: ZooKeeper, path: str) -> None:
+    """kazoo has no session id while disconnected (it was a TypeError, exit 1)."""
+    never_started = zookeeper.client()
+    with pytest.raises(StartupRefused, match="connection dropped while loading the high-water"):
+        load(never_started, path, Lost())
+    never_started.close()
+
+
+def test_a_call_to_a_vanished_zookeeper_ends_within_its_timeout(tmp_path: Path) -> None:
+    own = ZooKeeper(tmp_path / "zk")
+    own.start()
+    client = own.client()
+    try:
+        client.start(timeout=10)
+        assert zk_call(client, 1.0, "reading /", "get_children", "/") is not None
+        own.stop()
+        started = time.monotonic()
+        with pytest.raises(StartupRefused) as info:
+            zk_call(client, 1.0, "reading /x", "get", "/x")
+        assert time.monotonic() - started < 2
+        assert str(info.value).startswith(
+            "ZooKeeper did not answer within 1 s (--zk-connect-timeout) while reading /x"
+        )
+    finally:
+        client.stop()
+        client.close()
+        own.stop()

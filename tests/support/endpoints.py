@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import socket
+import struct
 import urllib.error
 import urllib.request
+import uuid
 from typing import Any
 
 from snowflake_thrift_client import SnowflakeClient
+from snowflake_thrift_client._idl import snowflake_thrift
 from snowflake_thrift_client._transports import Transport, open_client
+from thriftpy2.protocol import TBinaryProtocol
+from thriftpy2.thrift import TClient
+from thriftpy2.transport import TMemoryBuffer
 
 
 class Endpoints:
@@ -60,3 +66,27 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
     return port
+
+
+def unique_scope() -> str:
+    """A host lock scope of its own: servers of tests running at once never share a lock."""
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+def encode_call(method: str, *, framed: bool = True, **args: object) -> bytes:
+    """The bytes a client sends for a well-formed call of ``method`` (framed: with the
+    4-byte length in front)."""
+    buffer: Any = TMemoryBuffer()  # type: ignore[no-untyped-call]  # thriftpy2 is untyped
+    protocol: Any = TBinaryProtocol(buffer)  # type: ignore[no-untyped-call]
+    TClient(snowflake_thrift().Snowflake, protocol)._send(method, **args)
+    body = bytes(buffer.getvalue())
+    return struct.pack("!i", len(body)) + body if framed else body
+
+
+def take_ids(server: Endpoints, rounds: int, batch: int = 100, agent: str = "test") -> list[int]:
+    """``rounds`` get_ids calls of ``batch`` ids on one new connection, in order."""
+    client = server.raw_client()
+    ids: list[int] = []
+    for _ in range(rounds):
+        ids.extend(client.get_ids(agent, batch))
+    return ids

@@ -13,14 +13,17 @@ from kazoo.client import KazooClient
 
 from snowflake_server import Node, ServerSettings
 from snowflake_server._ids.clocks import wall_clock_ms
-from tests.support.endpoints import Endpoints
+from tests.support.endpoints import Endpoints, unique_scope
 
 
 class InProcessServer(Endpoints):
     """A :class:`Node` on free loopback ports, serving from a thread until :meth:`stop`.
 
     ``settings`` get port 0 for Thrift and admin; ``state_dir`` is used unless the
-    settings name one. Use as a context manager, or :meth:`start` and :meth:`stop`.
+    settings name one. ``first_start_wait`` (0: a fresh state directory is the norm
+    here) and ``host_lock_scope`` (one of its own, so that tests running at once never
+    share a worker lock) replace the settings' values. Use as a context manager, or
+    :meth:`start` and :meth:`stop`.
     """
 
     def __init__(
@@ -30,9 +33,16 @@ class InProcessServer(Endpoints):
         *,
         clock: Callable[[], int] = wall_clock_ms,
         zk_client_factory: Callable[..., Any] = KazooClient,
+        first_start_wait: float = 0.0,
+        host_lock_scope: str | None = None,
     ) -> None:
         self.settings = replace(
-            settings, port=0, metrics_port=0, state_dir=settings.state_dir or str(state_dir)
+            settings,
+            port=0,
+            metrics_port=0,
+            state_dir=settings.state_dir or str(state_dir),
+            first_start_wait=first_start_wait,
+            host_lock_scope=host_lock_scope if host_lock_scope is not None else unique_scope(),
         )
         self.transport = self.settings.transport
         self.node = Node(self.settings, clock=clock, zk_client_factory=zk_client_factory)

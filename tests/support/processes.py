@@ -22,7 +22,7 @@ import thriftpy2
 from snowflake_thrift_client._transports import Transport, open_client
 
 from snowflake_server._app.ready import parse_ready_line
-from tests.support.endpoints import Endpoints
+from tests.support.endpoints import Endpoints, unique_scope
 
 DATA = Path(__file__).parent.parent / "data"
 
@@ -116,11 +116,13 @@ def start_server(
     timeout_s: float = 15.0,
     state_dir: Path | None = None,
     env: dict[str, str] | None = None,
+    lock_scope: str | None = None,
 ) -> ServerProcess:
     """Start ``snowflake-server`` on free ports and wait for its ready line.
 
     Each server gets a fresh state directory unless ``state_dir`` is given
-    (pass the same one to restart a worker); ``env`` adds environment variables.
+    (pass the same one to restart a worker); ``env`` adds environment variables;
+    ``lock_scope`` shares a host lock scope between servers (one of their own by default).
     """
     stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by ServerProcess.stop
     if state_dir is None:
@@ -128,7 +130,10 @@ def start_server(
     command = [
         sys.executable, "-X", "faulthandler", "-m", "snowflake_server",
         "--port", "0", "--metrics-port", "0", "--transport", transport,
-        "--state-dir", str(state_dir), *args,
+        "--state-dir", str(state_dir),
+        # A fresh state directory is the norm here, and tests run at once must not share
+        # the host-wide worker lock: later flags in ``args`` override these.
+        "--first-start-wait", "0", "--host-lock-scope", lock_scope or unique_scope(), *args,
     ]  # fmt: skip
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("SNOWFLAKE_")},

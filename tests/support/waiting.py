@@ -24,3 +24,19 @@ def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 20
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s:g} s: {what}")
         _never.wait(_POLL_S)
+
+
+def run_in_thread(target: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    """Start ``target()`` in a thread; its result (or exception) lands in the list, so
+    that a test can see whether a call returned while something else is held."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(target())
+        except Exception as e:  # noqa: BLE001 - handed to the test to look at
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
