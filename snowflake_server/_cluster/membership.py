@@ -191,10 +191,12 @@ class Cluster(Collector):
                 worker = self._open_worker(worker_id, (store, ZK_MARK_AHEAD_MS))
             except MarkOfAnotherLayout as e:
                 self._delete(node)
-                if not self._settings.auto_worker_id:
+                if not self._settings.auto_worker_id or not e.epoch_only:
+                    # With other field widths the old ids collide with ours of other
+                    # worker ids too: no other id is safe either.
                     raise
-                # Another layout's ids of this worker id are not ordered with ours:
-                # no mark can guard them, so leave the id to that layout.
+                # Another epoch's ids of this worker id are not ordered with ours: no
+                # mark can guard them, so leave the id to that layout.
                 log.warning("skipping worker id %d: %s", worker_id, e)
                 skipped.add(worker_id)
                 continue

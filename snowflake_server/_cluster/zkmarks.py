@@ -98,7 +98,16 @@ def session_id(client: Any, what: str) -> int:
 
 
 class MarkOfAnotherLayout(StartupRefused):
-    """The mark was recorded under another layout: it does not guard our ids."""
+    """The mark was recorded under another layout: it does not guard our ids.
+
+    ``epoch_only``: the layouts differ in the epoch alone (the same field widths), so
+    the other layout's ids of this worker id cannot collide with ours of another
+    worker id; with other widths they can, whatever worker id we take.
+    """
+
+    def __init__(self, message: str, *, epoch_only: bool) -> None:
+        super().__init__(message)
+        self.epoch_only = epoch_only
 
 
 class ZkMarkStore(MarkStore):
@@ -181,7 +190,7 @@ class ZkMarkStore(MarkStore):
             )
         try:
             if self._version is None:
-                zk.ensure_path(self._path.rsplit("/", 1)[0])
+                zk.ensure_path_async(self._path.rsplit("/", 1)[0]).get(timeout=_OP_TIMEOUT_S)
                 zk.create_async(self._path, data).get(timeout=_OP_TIMEOUT_S)
                 self._version = 0
             else:
@@ -218,10 +227,12 @@ def _parse_mark(path: str, data: bytes, ours: Layout) -> int:
             "against repeating ids of a recycled worker id: repair it by hand"
         ) from None
     if recorded != ours:
+        widths = ("timestamp_bits", "datacenter_id_bits", "worker_id_bits", "sequence_bits")
         raise MarkOfAnotherLayout(
             f"the high-water mark {path} was recorded under another layout "
             f"({describe_layout(recorded)}) than ours ({describe_layout(ours)}); ids of one "
             "worker id under two layouts can collide: use the layout the cluster was "
-            "started with (--epoch and the --*-bits flags)"
+            "started with (--epoch and the --*-bits flags)",
+            epoch_only=all(getattr(recorded, w) == getattr(ours, w) for w in widths),
         )
     return mark

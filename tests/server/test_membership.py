@@ -635,10 +635,25 @@ NARROW = "epoch 1288834974657 ms, bits 41/5/4/13 (timestamp/datacenter/worker/se
 OTHER_LAYOUT = {"worker_id_bits": 4, "sequence_bits": 13}
 
 
-def other_layouts_mark(ms: int) -> bytes:
-    layout = {"epoch_ms": 1288834974657, "timestamp_bits": 41, "datacenter_id_bits": 5,
-              "worker_id_bits": 4, "sequence_bits": 13}  # fmt: skip
+def other_layouts_mark(ms: int, epoch_ms: int = 1288834974657 + 1000, **bits: int) -> bytes:
+    """A mark recorded under another layout: another epoch, and Twitter's widths but for
+    those given (``worker_id_bits=4``...)."""
+    layout = {"epoch_ms": epoch_ms, "timestamp_bits": 41, "datacenter_id_bits": 5,
+              "worker_id_bits": 5, "sequence_bits": 12, **bits}  # fmt: skip
     return json.dumps({"mark_ms": ms, "layout": layout}).encode()
+
+
+def test_auto_refuses_a_mark_of_other_field_widths_instead_of_skipping_it(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    """Ids of other widths collide with ours of other worker ids: no id is safe."""
+    zk.create(
+        f"{zk_path}/marks/0/0", other_layouts_mark(T0, worker_id_bits=4, sequence_bits=13),
+        makepath=True,
+    )  # fmt: skip
+    with pytest.raises(StartupRefused, match="recorded under another layout"):
+        member(worker_id=-1).join()
+    assert zk.exists(f"{zk_path}/nodes/0/0") is None and zk.exists(f"{zk_path}/nodes/0/1") is None
 
 
 def test_the_first_node_records_the_layout_and_another_layout_is_refused(
@@ -678,7 +693,8 @@ def test_a_static_id_whose_mark_has_another_layout_is_refused(
     member: Make, zk: KazooClient, zk_path: str
 ) -> None:
     """Issue 16, item 2: the mark records the layout it was made under."""
-    zk.create(f"{zk_path}/marks/0/0", other_layouts_mark(T0), makepath=True)
+    narrow = other_layouts_mark(T0, 1288834974657, worker_id_bits=4, sequence_bits=13)
+    zk.create(f"{zk_path}/marks/0/0", narrow, makepath=True)
     node = member(worker_id=0)
     with pytest.raises(StartupRefused, match="was recorded under another layout") as info:
         node.join()
@@ -704,8 +720,9 @@ def test_out_of_worker_ids_is_a_clear_refusal(
     # Leased: another session holds id 0 and a first node takes id 1. Another layout:
     # id 0's mark was made with another layout, and id 1 is held.
     hold(zk, f"{zk_path}/nodes/0/{int(another_layout)}")
-    if another_layout:
-        zk.create(f"{zk_path}/marks/0/0", other_layouts_mark(T0), makepath=True)
+    if another_layout:  # another epoch, our widths: an id to skip, not a refusal
+        mark = other_layouts_mark(T0, worker_id_bits=1, datacenter_id_bits=9)
+        zk.create(f"{zk_path}/marks/0/0", mark, makepath=True)
     else:
         member(**narrow).join()
     with pytest.raises(StartupRefused) as info:
