@@ -24,6 +24,7 @@ from kazoo.retry import KazooRetry, RetryFailedError
 from snowflake_thrift_client import Layout
 
 from .._errors import ConfigurationError, ReservationError, StartupRefused
+from .._ids.clocks import pause
 from .._state.reservation import MarkStore
 
 __all__ = [
@@ -79,7 +80,11 @@ def zk_call(client: Any, timeout_s: float, what: str, method: str, *args: Any, *
         left = max(0.05, deadline - time.monotonic())
         return getattr(client, f"{method}_async")(*args, **kw).get(timeout=left)
 
-    retry = KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0, deadline=timeout_s)
+    # Our own sleep, not kazoo's time.sleep: under libfaketime (the black-box clock
+    # tests) time.sleep can fail with EINVAL; see _ids/clocks.pause.
+    retry = KazooRetry(
+        max_tries=-1, delay=0.1, max_delay=1.0, deadline=timeout_s, sleep_func=pause
+    )
     try:
         return retry(attempt)
     except (KazooTimeoutError, RetryFailedError, ConnectionClosedError) as e:
