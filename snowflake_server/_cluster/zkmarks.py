@@ -82,9 +82,7 @@ def zk_call(client: Any, timeout_s: float, what: str, method: str, *args: Any, *
 
     # Our own sleep, not kazoo's time.sleep: under libfaketime (the black-box clock
     # tests) time.sleep can fail with EINVAL; see _ids/clocks.pause.
-    retry = KazooRetry(
-        max_tries=-1, delay=0.1, max_delay=1.0, deadline=timeout_s, sleep_func=pause
-    )
+    retry = KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0, deadline=timeout_s, sleep_func=pause)
     try:
         return retry(attempt)
     except (KazooTimeoutError, RetryFailedError, ConnectionClosedError) as e:
