@@ -15,7 +15,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kazoo.client import KazooClient
@@ -58,19 +58,13 @@ class Mode:
     join: Callable[[int, Defer], None] = lambda _port, _defer: None
     """Called once the Thrift port is bound (peers must be able to dial us), with the
     port and a way to defer a close to shutdown, before the Thrift server's close."""
-    cleanup: list[Callable[[], None]] = field(default_factory=list)
-    """Run in reverse order at close."""
 
 
-def standalone(settings: ServerSettings, clock: Callable[[], int]) -> Mode:
+def standalone(settings: ServerSettings, clock: Callable[[], int], defer: Defer) -> Mode:
     """One worker, its id configured: lock its state, honour its mark, serve."""
     worker = Worker.open(settings.worker, settings.worker_id, clock=clock)
-    return Mode(
-        source=worker.generator,
-        collectors=[worker.reservation],
-        health=lambda: (True, {}),
-        cleanup=[worker.close],
-    )
+    defer(worker.close)  # the first close registered: it runs last
+    return Mode(source=worker.generator, collectors=[worker.reservation], health=lambda: (True, {}))
 
 
 def clustered(
@@ -160,9 +154,8 @@ class Node:
         if settings.zookeeper:
             mode = clustered(settings, self._clock, self._zk_client_factory)
         else:
-            mode = standalone(settings, self._clock)
+            mode = standalone(settings, self._clock, self._cleanup.callback)
         self.mode = mode
-        self._cleanup.callback(lambda: [close() for close in reversed(mode.cleanup)])
         return mode
 
     def _open_audit(self, mode: Mode) -> AuditLog | None:

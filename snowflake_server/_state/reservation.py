@@ -195,6 +195,9 @@ class Reservation(Collector):
         # The store being written now and since when (monotonic), for messages only.
         self._writing: tuple[str, float] | None = None
         self.startup_wait_s = 0.0
+        # Set by Worker.open: whether no mark existed anywhere, and how long it waited.
+        self.first_start = False
+        self.first_start_wait_s = 0.0
 
     def reserve(self, now_ms: int) -> int:
         """A ceiling of at least ``now_ms``: the lowest mark then stored.
@@ -338,4 +341,10 @@ class Reservation(Collector):
             "snowflake_startup_clock_wait_seconds",
             "How long start-up waited for the clock to pass the previous run's high-water mark.",
             value=self.startup_wait_s,
+        )
+        yield CounterMetricFamily(
+            "snowflake_first_starts",
+            "1 if this worker started with no high-water mark anywhere (a first start, or "
+            "a lost state directory): it waited --first-start-wait before its first id.",
+            value=int(self.first_start),
         )

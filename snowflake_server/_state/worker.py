@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from .._config.settings import WorkerSettings
@@ -33,24 +33,6 @@ __all__ = ["CurrentReservation", "Worker", "WorkerSlot"]
 log = logging.getLogger(__name__)
 
 
-class WorkerReservation(Reservation):
-    """A worker's reservation, and whether its start found no mark anywhere."""
-
-    first_start = False
-    """True if no high-water mark existed anywhere: a first start, or a lost state."""
-    first_start_wait_s = 0.0
-    """How long that start waited (``--first-start-wait``) before the first id."""
-
-    def collect(self) -> Iterable[Metric]:
-        yield from super().collect()
-        yield CounterMetricFamily(
-            "snowflake_first_starts",
-            "1 if this worker started with no high-water mark anywhere (a first start, or "
-            "a lost state directory): it waited --first-start-wait before its first id.",
-            value=int(self.first_start),
-        )
-
-
 @dataclass(eq=False)
 class Worker:
     """Ids for one (datacenter, worker id): open with :meth:`open`, end with :meth:`close`.
@@ -60,7 +42,7 @@ class Worker:
     """
 
     generator: IdGenerator
-    reservation: WorkerReservation
+    reservation: Reservation
     state: StateFile
     floor_ms: int
     host_lock: HostLock
@@ -102,7 +84,7 @@ class Worker:
                 stores.append(remote)
             known = {where: mark for where, mark in marks.items() if mark is not None}
             resume_after = max(known.values(), default=-1)
-            reservation = WorkerReservation(stores, clock)
+            reservation = Reservation(stores, clock)
             # Until the first reservation is stored the ceiling is the resume point:
             # no id can be stamped with a time that is not reserved.
             generator = IdGenerator(
@@ -140,7 +122,7 @@ class Worker:
 
 
 def _first_start(
-    reservation: WorkerReservation,
+    reservation: Reservation,
     worker_id: int,
     looked_in: list[str],
     wait_s: float,
