@@ -13,11 +13,15 @@ GO_THRIFT ?= /usr/share/gocode/src/github.com/apache/thrift
 # The client tests need the Thrift compiler, Node.js + npm (npm `thrift` is in
 # clients/node/package-lock.json), a JDK with Debian's libthrift-java, and Go with
 # Debian's golang-thrift-dev: nothing from Maven Central or the Go module proxy.
-TEST_TOOLS := promtool:prometheus faketime:faketime /usr/share/java/zookeeper.jar:zookeeper \
-	thrift:thrift-compiler node:nodejs npm:npm \
+# The benchmark builds its Java and Go anchors with the same, and its load generator
+# with the C compiler.
+THRIFT_TOOLCHAINS := thrift:thrift-compiler \
 	javac:default-jdk-headless /usr/share/java/thrift.jar:libthrift-java \
 	/usr/share/java/slf4j-nop.jar:libslf4j-java \
 	go:golang-go $(GO_THRIFT)/lib/go/thrift/transport.go:golang-thrift-dev
+TEST_TOOLS := promtool:prometheus faketime:faketime /usr/share/java/zookeeper.jar:zookeeper \
+	node:nodejs npm:npm cc:gcc $(THRIFT_TOOLCHAINS)
+BENCH_TOOLS := cc:gcc $(THRIFT_TOOLCHAINS)
 
 # make stubs: client code generated from the IDL by the Apache Thrift compiler into
 # $(CLIENTS)/<language>/gen-*, never committed (the IDL is the single source of truth).
@@ -25,7 +29,8 @@ THRIFT    ?= thrift
 IDL       := idl/snowflake.thrift
 CLIENTS   ?= clients
 
-.PHONY: install system-deps stubs node-deps run check test test-fast coverage bench clean soak
+.PHONY: install system-deps stubs node-deps run check test test-fast coverage bench clean soak \
+	bench-deps bench-build bench-loadgen bench-anchors
 
 install: $(VENV)/.installed
 
@@ -86,7 +91,8 @@ SAFETY_MODULES := snowflake_server/_ids/generator.py snowflake_server/_state/sta
 	snowflake_server/_state/reservation.py snowflake_server/_state/worker.py \
 	snowflake_server/_cluster/membership.py snowflake_server/_cluster/zkmarks.py \
 	snowflake_server/_cluster/peers.py snowflake_server/_thrift/server.py \
-	snowflake_server/_thrift/handler.py
+	snowflake_server/_thrift/handler.py snowflake_server/_thrift/connection.py \
+	snowflake_server/_thrift/fastpath.py snowflake_server/_thrift/scanner.py
 SAFETY_FLOOR  := 90
 OVERALL_FLOOR := 85
 # pytest-xdist workers; each test file runs whole in one worker (module fixtures: ZooKeeper).
@@ -111,16 +117,54 @@ coverage:
 test-fast: install
 	$(BIN)/pytest -n $(PYTEST_WORKERS) -m "not zookeeper and not interop and not slow"
 
-# The benchmark harness (about 3-4 minutes; BENCH_ARGS=--quick for a smoke run under a
-# minute): results in bench/results/<time>/ and bench/results/latest.{md,png}.
-# Its extra (matplotlib, snowflake-id) is installed here only, never by install or test.
-BENCH_ARGS ?=
-bench: $(VENV)/.installed-bench
-	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
+# The benchmark harness (about 7 minutes; BENCH_ARGS=--quick for a smoke run of about
+# a minute): results in bench/results/<time>/ and bench/results/latest.md. It installs
+# the toolchains it builds with, then builds into $(BENCH_BUILD) (git-ignored): the load
+# generator in C, and the Java and Go anchors from the stubs. The bench-* targets only
+# build (the tests build into folders of their own with BENCH_BUILD and CLIENTS).
+BENCH_ARGS  ?=
+BENCH_BUILD ?= bench/build
+BENCH_CFLAGS ?= -std=c11 -O2 -Wall -Wextra -Wpedantic -Wshadow -Wconversion -Wformat=2 \
+	-Wstrict-prototypes -Wmissing-prototypes -Wvla
+# The last file `make stubs` writes: the anchors are rebuilt when the IDL changes.
+STUBS_MADE  := $(CLIENTS)/go/thrift-debian/go.mod
+# Go with Debian's library only: no module proxy, no toolchain download; a build cache
+# of its own where the environment names none (no HOME, as in some CI jobs).
+GO_OFFLINE  := GOPROXY=off GOFLAGS=-mod=mod GOTOOLCHAIN=local \
+	$(if $(GOCACHE)$(XDG_CACHE_HOME)$(HOME),,GOCACHE=$(abspath $(BENCH_BUILD))/go-cache)
 
-$(VENV)/.installed-bench: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e './clients/python[zookeeper]' -e '.[test,bench]'
-	touch $@
+bench: $(VENV)/.installed bench-deps
+	$(MAKE) --no-print-directory bench-build
+	$(BIN)/python bench/run_bench.py --build $(BENCH_BUILD) $(BENCH_ARGS)
+
+bench-deps:
+	@$(MAKE) --no-print-directory system-deps TEST_TOOLS='$(BENCH_TOOLS)'
+
+bench-build: bench-loadgen bench-anchors
+bench-loadgen: $(BENCH_BUILD)/loadgen
+bench-anchors: $(BENCH_BUILD)/java/SnowflakeAnchor.class $(BENCH_BUILD)/anchor-go
+
+$(BENCH_BUILD)/loadgen: bench/native/loadgen.c
+	@mkdir -p $(@D)
+	$(CC) $(BENCH_CFLAGS) -pthread -o $@ $< -lm
+
+$(STUBS_MADE): $(IDL)
+	$(MAKE) --no-print-directory stubs
+
+$(BENCH_BUILD)/java/SnowflakeAnchor.class: bench/anchors/java/SnowflakeAnchor.java $(STUBS_MADE)
+	rm -rf $(@D)
+	javac -Xlint:all,-path -d $(@D) -cp /usr/share/java/thrift.jar \
+	  $$(find $(CLIENTS)/java/gen-java -name '*.java') $<
+
+# bench/anchors/go/go.mod points at clients/ relatively; the copy made here points at
+# $(CLIENTS) wherever it is.
+$(BENCH_BUILD)/anchor-go: bench/anchors/go/main.go bench/anchors/go/go.mod $(STUBS_MADE)
+	@mkdir -p $(@D)
+	cd bench/anchors/go && $(GO_OFFLINE) go mod edit -print \
+	  -replace=github.com/apache/thrift=$(abspath $(CLIENTS))/go/thrift-debian \
+	  -replace=snowflakeclient=$(abspath $(CLIENTS))/go > $(abspath $(@D))/anchor-go.mod
+	cd bench/anchors/go && $(GO_OFFLINE) go build -modfile=$(abspath $(@D))/anchor-go.mod \
+	  -o $(abspath $@) .
 
 # A bounded minute of mixed load with faults (garbage, floods, restarts) on 127.0.0.1;
 # reports threads, file descriptors and memory at the start and the end.
@@ -131,4 +175,4 @@ clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build *.egg-info \
 	  .coverage .coverage.* clients/python/build clients/python/*.egg-info \
 	  clients/*/gen-* clients/go/thrift-debian clients/go/bin clients/java/build \
-	  clients/node/node_modules
+	  clients/node/node_modules bench/build

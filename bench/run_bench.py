@@ -1,27 +1,33 @@
 """The benchmark harness: ``make bench`` (or ``.venv/bin/python bench/run_bench.py``).
 
-    make bench                                   # full run, about 3-4 minutes
-    .venv/bin/python bench/run_bench.py --quick  # smoke test, well under a minute
+    make bench                                   # build, then the full run: about 7 min
+    make bench BENCH_ARGS=--quick                # the same, short: about a minute
+    .venv/bin/python bench/run_bench.py --quick --servers old,java,go
 
-Measures in one run, on 127.0.0.1 only, each part bounded in time:
+Measures, in one interleaved run on 127.0.0.1 only, each step bounded in time:
 
-(a) in-process ids/s on one thread: ``IdGenerator.next_id`` next to the ``snowflake-id``
-    package's ``SnowflakeGenerator`` (the most used Python peer; no lock) and a bare
-    ``threading.Lock`` + counter, alternately, best of several rounds;
-(b) ``get_id`` calls/s and p50/p99/p999 latency with 1, 4 and 16 connections (one client
-    process each) on ``snowflake-server`` next to the floor: a bare thriftpy2 server over
-    the same transport and protocol that returns a constant (``bench/floor_server.py``);
-(c) ``get_ids`` ids/s at batch sizes up to 4,096 on one connection (and 4,096 on two)
-    next to one worker id's limit, 4,096,000 ids/s, and next to the floor;
-(d) ``--processes 1`` against ``--processes 2``, when the server has that flag; the
-    connections are spread evenly over the two processes (reopened until they are).
+- ``get_id`` calls/s and p50/p99/p999 latency with 1, 4, 16 and 64 connections on: ours
+  (the working tree's server) with ``--processes 1`` and ``2`` (and with its default
+  process count, when that is neither); the Java and Go anchors, Apache Thrift's
+  ``TThreadPoolServer`` and ``TSimpleServer`` serving Twitter's IdWorker on our IDL
+  (``bench/anchors/``); and old, the server of ``--baseline-rev`` (the last release of
+  the thread-per-connection server), extracted with ``git archive``;
+- the servers' CPU time per call, from ``/proc`` over each server's process group during
+  the measured period, and the load generator's own, from its ``getrusage``;
+- ``get_ids(4096)`` ids/s with 1 and 2 connections, next to one worker id's limit of
+  4,096,000 ids/s;
+- the p99 of 4 active connections while 10,000 idle ones are open, on ours and the
+  anchors (the file limit is raised for this process and its children only).
 
-Servers are measured interleaved (ours, floor, floor, ours, ...) so that drift of the
-shared machine hits both alike; throughput is the best round, latency percentiles are
-over every call of every round. The results go to ``bench/results/<time>/``
-(``results.md``, ``results.json``, ``chart.png``, server logs); a full run also copies
-them to ``bench/results/latest.md`` and ``latest.png``. The Markdown and the target
-ratios are printed too.
+The load comes from ``bench/build/loadgen`` (C, built by ``make bench-build``), which
+checks every reply and the ids' uniqueness; any error it reports makes this harness
+exit with 1. Each round runs every configuration on every server back to back, in an
+order rotated from round to round, so a slow spell of the shared machine is spread over
+all servers. Throughput is the median of the rounds (their range is shown); latency
+percentiles are over every call of every round. The Markdown report and each target
+with PASS or FAIL and its ratio are printed, and written to
+``bench/results/<time>/results.{md,json}`` with the servers' logs; a full run also
+copies the report to ``bench/results/latest.md``.
 """
 
 from __future__ import annotations
@@ -30,317 +36,360 @@ import argparse
 import json
 import os
 import platform
+import resource
+import selectors
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loadgen import (
-    DEFAULT_WORKER_LIMIT,
-    BenchError,
-    Histogram,
-    LoadGenerator,
-    LoadResult,
-    Method,
-    Target,
+from bench.loadgen import DEFAULT_WORKER_LIMIT, Histogram
+from bench.servers import (
+    BASELINE_REV,
+    BUILD,
+    ROOT,
+    Server,
+    ServerFailed,
+    extract_baseline,
+    start_baseline,
+    start_go_anchor,
+    start_java_anchor,
+    start_ours,
 )
-from bench.servers import Server, ServerFailed, start_floor, start_ours
-from snowflake_server import TWITTER_EPOCH_MS, GeneratorSettings, IdGenerator
+from tests.support.waiting import wait_until
 
-RESULTS = Path(__file__).resolve().parent / "results"
-OURS, FLOOR = "ours", "floor"
-LIMIT = DEFAULT_WORKER_LIMIT
+RESULTS = ROOT / "bench" / "results"
+JAVA, GO, OLD = "java", "go", "old"
+AGENT = "bench"
 
-# The issue's targets.
-TARGET_NEXT_ID = 1.0  # x snowflake-id
-TARGET_GET_ID = 0.9  # x floor, at 4 connections
-TARGET_P99_MS = 1.0
-TARGET_P999_MS = 2.0
-TARGET_GET_IDS = 0.85  # of one worker's 4,096,000 ids/s, at 4,096 per call
+# The issue's targets (issue 11).
+TARGET_VS_JAVA = 1.0  # get_id calls/s, default settings, at 4 and 16 connections
+TARGET_ONE_PROCESS_VS_JAVA = 0.8
+TARGET_CONNECTIONS = (4, 16)
+TARGET_P99_US = 1000.0  # at 16 connections
+TARGET_P999_US = 2000.0
+TARGET_IDLE_P99_US = 1000.0  # active connections' p99 with the idle ones open
+TARGET_SERVER_CPU_US = 16.0  # per get_id call
+TARGET_CLIENT_CPU_US = 16.0  # the load generator's, per get_id call
+TARGET_GET_IDS = 0.99  # of one worker id's 4,096,000 ids/s, get_ids(4096), 1 connection
+LATENCY_CONNECTIONS = 16
+
+
+class BenchError(RuntimeError):
+    """The harness itself could not measure (the load generator failed to run)."""
 
 
 @dataclass(frozen=True)
 class Plan:
-    seconds: float  # per get_id measurement
-    batch_seconds: float  # per get_ids measurement
-    rounds: int  # interleaved rounds per server and configuration
-    inproc_seconds: float
-    inproc_rounds: int
-    connections: tuple[int, ...]
-    batch_sizes: tuple[int, ...]
-    scaling_connections: tuple[int, ...]
+    warmup_s: float  # per measurement, before its measured period
+    seconds: float  # measured, per measurement
+    rounds: int
+    idle_rounds: int
+    server_warmup_s: float  # once per server before the first round (the JVM's JIT)
+    connections: tuple[int, ...] = (1, 4, 16, 64)
+    batch_connections: tuple[int, ...] = (1, 2)
+    batch: int = 4096
+    idle: int = 10_000
+    idle_active: int = 4
 
 
-FULL = Plan(3.0, 1.5, 3, 0.5, 5, (1, 4, 16), (1, 16, 256, 1024, 4096), (4, 16))
-QUICK = Plan(1.0, 0.5, 1, 0.2, 2, (1, 4, 16), (1, 16, 256, 1024, 4096), (4, 16))
+FULL = Plan(warmup_s=0.5, seconds=3.0, rounds=3, idle_rounds=2, server_warmup_s=2.0)
+QUICK = Plan(warmup_s=0.2, seconds=0.5, rounds=1, idle_rounds=1, server_warmup_s=0.5)
 
 
-# -- (a) in process ------------------------------------------------------------------
+# -- what runs -------------------------------------------------------------------------
 
 
-class LockedCounter:
-    """The bare baseline: a lock and a counter, nothing else."""
+@dataclass(frozen=True)
+class Contender:
+    """A server to measure: how to start it, and how many processes share its port."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._n = 0
-
-    def next_id(self) -> int:
-        with self._lock:
-            self._n += 1
-            return self._n
-
-
-def _ours() -> Callable[[], object]:
-    return IdGenerator(GeneratorSettings()).next_id
-
-
-def _snowflake_id() -> Callable[[], object]:
-    from snowflake import SnowflakeGenerator
-
-    generator = SnowflakeGenerator(0, epoch=TWITTER_EPOCH_MS)
-    return generator.__next__  # type: ignore[no-any-return]
-
-
-def _locked() -> Callable[[], object]:
-    return LockedCounter().next_id
-
-
-@dataclass
-class InProcess:
     name: str
     label: str
-    rounds: list[float] = field(default_factory=list)
-    missed: int = 0  # calls that gave no id (snowflake-id returns None when a ms is full)
+    processes: int
+    start: Callable[[Path], Server]
+    """Starts it, given the run's work folder."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measurement's load."""
+
+    method: Literal["get_id", "get_ids"]
+    connections: int
+    count: int = 1
+    idle: int = 0
 
     @property
-    def best(self) -> float:
-        return max(self.rounds, default=0.0)
-
-
-def _ids_per_s(make: Callable[[], Callable[[], object]], seconds: float) -> tuple[float, int]:
-    """ids/s of one fresh generator on this thread for ``seconds``; and the Nones."""
-    call = make()
-    chunk = range(10_000)
-    calls = missed = 0
-    start = time.perf_counter()
-    deadline = start + seconds
-    for _ in range(100_000):
-        ids = [call() for _ in chunk]
-        missed += ids.count(None)
-        calls += len(ids)
-        if time.perf_counter() >= deadline:
-            break
-    return (calls - missed) / (time.perf_counter() - start), missed
-
-
-def in_process(plan: Plan) -> list[InProcess]:
-    contenders: list[tuple[InProcess, Callable[[], Callable[[], object]]]] = [
-        (InProcess("ours", "IdGenerator.next_id (thread-safe)"), _ours),
-        (InProcess("snowflake-id", "snowflake-id SnowflakeGenerator (no lock)"), _snowflake_id),
-        (InProcess("lock", "bare threading.Lock + counter"), _locked),
-    ]
-    try:
-        _snowflake_id()
-    except ImportError:
-        print("(a) snowflake-id is not installed (pip install -e '.[bench]'): skipped")
-        contenders = [c for c in contenders if c[0].name != "snowflake-id"]
-    for _, make in contenders:  # warm up
-        _ids_per_s(make, 0.05)
-    for _ in range(plan.inproc_rounds):
-        for result, make in contenders:
-            rate, missed = _ids_per_s(make, plan.inproc_seconds)
-            result.rounds.append(rate)
-            result.missed += missed
-    return [result for result, _ in contenders]
-
-
-# -- (b), (c), (d) over Thrift -------------------------------------------------------
+    def key(self) -> str:
+        call = "get_id" if self.method == "get_id" else f"get_ids({self.count})"
+        idle = f" + {self.idle:,} idle" if self.idle else ""
+        return f"{call} x{self.connections}{idle}"
 
 
 @dataclass
-class Comparison:
-    """One configuration (call, batch, connections) on several servers, over rounds."""
+class Run:
+    """One load generator run: a configuration on a server, in one round."""
 
+    server: str
     key: str
-    method: Method
-    batch: int
-    connections: int
-    runs: dict[str, list[LoadResult]] = field(default_factory=dict)
+    round: int
+    report: dict[str, Any]
+    """The load generator's JSON, without its histogram."""
+    histogram: Histogram
+    server_cpu_s: float | None
 
-    def best(self, name: str) -> LoadResult:
-        rate: Callable[[LoadResult], float] = (
-            (lambda r: r.calls_per_s) if self.method == "get_id" else (lambda r: r.ids_per_s)
-        )
-        return max(self.runs[name], key=rate)
+    @property
+    def calls_per_s(self) -> float:
+        return float(self.report["calls_per_s"])
 
-    def rate(self, name: str) -> float:
-        best = self.best(name)
-        return best.calls_per_s if self.method == "get_id" else best.ids_per_s
+    @property
+    def ids_per_s(self) -> float:
+        return float(self.report["ids_per_s"])
 
-    def latency_ms(self, name: str, q: float) -> float:
-        """The ``q`` quantile over every call of every round."""
-        merged = Histogram()
-        for r in self.runs[name]:
-            merged.merge(r.histogram)
-        return merged.percentile(q) / 1e6
-
-    def ratio(self, name: str, base: str) -> float:
-        """Best round against best round."""
-        return self.rate(name) / self.rate(base) if self.rate(base) else 0.0
-
-    def round_ratios(self, name: str, base: str) -> list[float]:
-        """Round i of ``name`` against round i of ``base`` (measured next to each other)."""
-        pick: Callable[[LoadResult], float] = (
-            (lambda r: r.calls_per_s) if self.method == "get_id" else (lambda r: r.ids_per_s)
-        )
-        return [
-            pick(a) / pick(b) if pick(b) else 0.0
-            for a, b in zip(self.runs[name], self.runs[base], strict=True)
-        ]
-
-    def ratio_range(self, name: str, base: str) -> str:
-        ratios = self.round_ratios(name, base)
-        return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
-
+    @property
     def errors(self) -> list[str]:
-        return sorted({f"{n}: {e}" for n, rs in self.runs.items() for r in rs for e in r.errors})
+        count = int(self.report["errors"])
+        shown: list[str] = self.report["first_errors"]
+        return shown + ([f"... {count - len(shown)} more"] if count > len(shown) else [])
+
+    @property
+    def server_cpu_us_per_call(self) -> float | None:
+        calls = int(self.report["calls"])
+        if self.server_cpu_s is None or not calls:
+            return None
+        return self.server_cpu_s / calls * 1e6
+
+    @property
+    def client_cpu_us_per_call(self) -> float:
+        return float(self.report["client_cpu_us_per_call"])
 
     def to_json(self) -> dict[str, Any]:
-        names = list(self.runs)
         return {
+            "server": self.server,
             "key": self.key,
-            "method": self.method,
-            "batch": self.batch,
-            "connections": self.connections,
-            "round_ratios": {
-                f"{name}/{names[0]}": [round(x, 4) for x in self.round_ratios(name, names[0])]
-                for name in names[1:]
-            },
-            "servers": {
-                name: {
-                    "best_rate": round(self.rate(name), 1),
-                    "p50_ms": round(self.latency_ms(name, 0.5), 4),
-                    "p99_ms": round(self.latency_ms(name, 0.99), 4),
-                    "p999_ms": round(self.latency_ms(name, 0.999), 4),
-                    "rounds": [r.to_json() for r in runs],
-                }
-                for name, runs in self.runs.items()
-            },
+            "round": self.round,
+            "server_cpu_s": self.server_cpu_s,
+            "server_cpu_us_per_call": self.server_cpu_us_per_call,
+            **self.report,
+            "histogram": self.histogram.to_json(),
         }
 
 
-def interleaved(
-    load: LoadGenerator,
-    servers: dict[str, Server],
-    key: str,
-    method: Method,
-    batch: int,
-    connections: int,
-    seconds: float,
-    rounds: int,
-    spread: dict[str, int] | None = None,
-) -> Comparison:
-    """Measure each server ``rounds`` times, alternating the order (ABBA).
-
-    ``spread``: server name -> its number of processes, to spread the connections over.
-    """
-    comparison = Comparison(key, method, batch, connections, {name: [] for name in servers})
-    names = list(servers)
-    for i in range(rounds):
-        for name in names if i % 2 == 0 else names[::-1]:
-            server = servers[name]
-            processes = (spread or {}).get(name, 0)
-            target = Target(server.host, server.port, "framed", method, batch, spread=processes)
-            result = load.measure(target, connections, seconds)
-            comparison.runs[name].append(result)
-            rate = result.calls_per_s if method == "get_id" else result.ids_per_s
-            print(
-                f"  {key:<16} {name:<8} round {i + 1}: {rate:>12,.0f} "
-                f"{'calls' if method == 'get_id' else 'ids'}/s  p99 {result.p99_ms:.3f} ms"
-                + (f"  per process: {_split(result)}" if processes else "")
-                + (f"  ERRORS: {'; '.join(result.errors)}" if result.errors else ""),
-                flush=True,
-            )
-    return comparison
+def loadgen_args(config: Config, plan: Plan, spread: int) -> list[str]:
+    args = [
+        "--method", config.method, "--connections", str(config.connections),
+        "--warmup", f"{plan.warmup_s:g}", "--duration", f"{plan.seconds:g}",
+        "--agent", AGENT,
+    ]  # fmt: skip
+    if config.method == "get_ids":
+        args += ["--count", str(config.count)]
+    if config.idle:
+        args += ["--idle", str(config.idle)]
+    if spread > 1 and config.connections % spread == 0:
+        args += ["--spread", str(spread)]
+    return args
 
 
-def _split(result: LoadResult) -> str:
-    """How the connections fell on the server processes: "2+2"."""
-    return "+".join(str(n) for _, n in result.by_worker) or "?"
+def run_loadgen(loadgen: Path, server: Server, args: list[str], timeout_s: float) -> Run:
+    """Run the load generator on ``server``; the server's CPU time is read from /proc as
+    the load generator marks the start and the end of its measured period."""
+    command = [str(loadgen), "--host", server.host, "--port", str(server.port), "--marks", *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    out, err = bytearray(), bytearray()
+    cpu: dict[str, float] = {}
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ, out)
+        selector.register(process.stderr, selectors.EVENT_READ, err)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            events = selector.select(remaining) if remaining > 0 else []
+            if not events:
+                process.kill()
+                process.wait()
+                raise BenchError(f"the load generator overran {timeout_s:g} s: {command}")
+            for key, _ in events:
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                key.data.extend(chunk)
+                if key.data is err:  # a mark: read the server's CPU time now
+                    for mark in ("measuring", "measured"):
+                        if f"loadgen: {mark}\n".encode() in err and mark not in cpu:
+                            cpu[mark] = server.cpu_seconds()
+    process.stdout.close()
+    process.stderr.close()
+    code = process.wait()
+    messages = err.decode(errors="replace").replace("loadgen: measuring\n", "")
+    messages = messages.replace("loadgen: measured\n", "").strip()
+    if code not in (0, 1) or not out.strip():
+        raise BenchError(f"the load generator failed (exit code {code}): {messages}")
+    report: dict[str, Any] = json.loads(out)
+    histogram = Histogram.from_json(report.pop("histogram"))
+    if messages:  # the load generator's own complaints are errors too
+        report["first_errors"] = [*report["first_errors"], messages]
+        report["errors"] = max(1, int(report["errors"]))
+    server_cpu = cpu["measured"] - cpu["measuring"] if len(cpu) == 2 else None
+    return Run(server.name, "", 0, report, histogram, server_cpu)  # named by the caller
 
 
-def over_thrift(load: LoadGenerator, servers: dict[str, Server], plan: Plan) -> list[Comparison]:
-    comparisons = []
-    for n in plan.connections:
-        comparisons.append(
-            interleaved(load, servers, f"get_id x{n}", "get_id", 1, n, plan.seconds, plan.rounds)
+def _rotated(names: Sequence[str], shift: int) -> list[str]:
+    shift %= len(names)
+    return [*names[shift:], *names[:shift]]
+
+
+class Bench:
+    """The servers of one run, the load generator, and every run's result."""
+
+    def __init__(
+        self, plan: Plan, loadgen: Path, servers: dict[str, Server], spread: dict[str, int]
+    ) -> None:
+        self.plan = plan
+        self.loadgen = loadgen
+        self.servers = servers
+        self.spread = spread
+        self.runs: list[Run] = []
+
+    def measure(self, name: str, config: Config, round_: int, *, plan: Plan | None = None) -> Run:
+        """One run of ``config`` on server ``name``, kept unless it is a warm-up (round 0)
+        without errors."""
+        plan = plan or self.plan
+        server = self.servers[name]
+        if not server.alive():
+            code = server.process.poll()
+            raise ServerFailed(f"{name} exited (code {code}):\n{server.log_tail()}")
+        args = loadgen_args(config, plan, self.spread.get(name, 1))
+        bound = plan.warmup_s + plan.seconds + 60 + config.idle / 200
+        run = run_loadgen(self.loadgen, server, args, bound)
+        run = replace(run, server=name, key=config.key, round=round_)
+        keep = round_ > 0 or bool(run.errors)  # a server that errs in its warm-up: say so
+        if keep:
+            self.runs.append(run)
+        rate = (
+            f"{run.calls_per_s:>10,.0f} calls/s"
+            if config.method == "get_id"
+            else f"{run.ids_per_s:>10,.0f} ids/s"
         )
-    for batch in plan.batch_sizes:
-        comparisons.append(
-            interleaved(
-                load,
-                servers,
-                f"get_ids({batch})",
-                "get_ids",
-                batch,
-                1,
-                plan.batch_seconds,
-                plan.rounds,
-            )
+        cpu = run.server_cpu_us_per_call
+        print(
+            f"  {config.key:<26} {name:<8} {rate}  p99 {_us(run.histogram, 0.99)} µs"
+            + (f"  server {cpu:.1f} µs/call" if cpu is not None else "")
+            + f"  client {run.client_cpu_us_per_call:.1f} µs/call"
+            + (f"  per process {split}" if (split := _split(run)) else "")
+            + (f"  ERRORS: {'; '.join(run.errors)}" if run.errors else ""),
+            flush=True,
         )
-    if 4096 in plan.batch_sizes:  # one client waits out each ms between its calls; two overlap
-        comparisons.append(full_batches_x2(load, servers, plan))
-    return comparisons
+        return run
+
+    def warm_up(self) -> None:
+        """Load each server once before the rounds: the JVM compiles its hot paths."""
+        warm = replace(self.plan, warmup_s=0.0, seconds=self.plan.server_warmup_s)
+        print(f"warm-up, {warm.seconds:g} s a server (not counted)", flush=True)
+        for name in self.servers:
+            self.measure(name, Config("get_id", 4), 0, plan=warm)
+
+    def rounds(self, names: Sequence[str], configs: Sequence[Config], rounds: int) -> None:
+        for round_ in range(1, rounds + 1):
+            print(f"round {round_} of {rounds}", flush=True)
+            for config in configs:
+                for name in _rotated(names, round_ - 1):
+                    files = self.servers[name].open_files()
+                    self.measure(name, config, round_)
+                    if config.idle:
+                        settle(self.servers[name], files)
+
+    def rows(self, key: str) -> dict[str, list[Run]]:
+        out: dict[str, list[Run]] = {}
+        for run in self.runs:
+            if run.key == key:
+                out.setdefault(run.server, []).append(run)
+        return out
 
 
-def full_batches_x2(
-    load: LoadGenerator,
-    servers: dict[str, Server],
-    plan: Plan,
-    spread: dict[str, int] | None = None,
-) -> Comparison:
-    """``get_ids(4096)`` on two connections: the per-worker limit with calls overlapping."""
-    return interleaved(
-        load, servers, "get_ids(4096) x2", "get_ids", 4096, 2, plan.batch_seconds, plan.rounds,
-        spread,
-    )  # fmt: skip
-
-
-def scaling(load: LoadGenerator, plan: Plan, work: Path) -> tuple[str, list[Comparison]]:
-    """``--processes 1`` against ``--processes 2``; (note, comparisons)."""
-    servers: dict[str, Server] = {}
+def settle(server: Server, files_before: int) -> None:
+    """Wait until the server has closed the connections of the last run (a threaded
+    server tearing down 10,000 connections would load the next measurement)."""
     try:
-        for n in (1, 2):
-            name = f"{n}p"
-            servers[name] = start_ours(
-                f"ours-{name}", work / "logs", work / f"state-{name}", "--processes", str(n)
-            )
-        spread = {"1p": 0, "2p": 2}  # each process has its own worker id: told apart
-        comparisons = [
-            interleaved(
-                load, servers, f"get_id x{c}", "get_id", 1, c, plan.seconds, plan.rounds, spread
-            )
-            for c in plan.scaling_connections
-        ]
-        comparisons.append(full_batches_x2(load, servers, plan, spread))
-    except ServerFailed as e:
-        return f"scaling: a server with --processes failed to start: {e}", []
-    finally:
-        for server in servers.values():
-            server.stop()
-    return "", comparisons
+        wait_until(
+            lambda: server.open_files() <= files_before + 16,
+            f"{server.name} closes the connections of the last run",
+            timeout_s=60.0,
+        )
+    except AssertionError as e:
+        print(f"  note: {e}", flush=True)
 
 
-# -- targets and report --------------------------------------------------------------
+# -- summaries and targets -------------------------------------------------------------
+
+
+@dataclass
+class Summary:
+    """One configuration on one server, over its rounds."""
+
+    runs: list[Run]
+    method: str
+
+    @property
+    def rates(self) -> list[float]:
+        return [r.calls_per_s if self.method == "get_id" else r.ids_per_s for r in self.runs]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.rates)
+
+    @property
+    def span(self) -> str:
+        rates = self.rates
+        return f"{min(rates):,.0f}-{max(rates):,.0f}" if len(rates) > 1 else "-"
+
+    def histogram(self) -> Histogram:
+        merged = Histogram()
+        for run in self.runs:
+            merged.merge(run.histogram)
+        return merged
+
+    def us(self, q: float) -> float:
+        return self.histogram().percentile(q) / 1e3
+
+    @property
+    def server_cpu_us(self) -> float | None:
+        values = [v for r in self.runs if (v := r.server_cpu_us_per_call) is not None]
+        return statistics.median(values) if values else None
+
+    @property
+    def client_cpu_us(self) -> float:
+        return statistics.median(r.client_cpu_us_per_call for r in self.runs)
+
+    @property
+    def idle_kept(self) -> int:
+        return min(int(r.report["idle_kept"]) for r in self.runs)
+
+
+def _split(run: Run) -> str:
+    """How the connections fell on the server's processes: "2+2"; "" for one process."""
+    counts = run.report["connections_by_worker"].values()
+    return "+".join(map(str, counts)) if len(counts) > 1 else ""
+
+
+def _us(histogram: Histogram, q: float) -> str:
+    return f"{histogram.percentile(q) / 1e3:,.0f}"
+
+
+def summaries(bench: Bench, config: Config) -> dict[str, Summary]:
+    return {name: Summary(runs, config.method) for name, runs in bench.rows(config.key).items()}
 
 
 @dataclass(frozen=True)
@@ -349,357 +398,367 @@ class Check:
     goal: str
     measured: str
     ratio: float | None
+    """The figure set against the goal: ours / Java, or measured / limit."""
     passed: bool | None  # None: not measured
 
     @property
     def verdict(self) -> str:
-        return "n/a" if self.passed is None else "PASS" if self.passed else "MISS"
+        return "n/a" if self.passed is None else "PASS" if self.passed else "FAIL"
 
 
-def _find(comparisons: Sequence[Comparison], key: str) -> Comparison | None:
-    return next((c for c in comparisons if c.key == key), None)
+def _check(
+    target: str,
+    value: float | None,
+    goal: float,
+    shown: Callable[[float], str],
+    *,
+    at_most: bool = False,
+    ratio: Callable[[float], float] | None = None,
+) -> Check:
+    """``value`` against ``goal`` (at least, or ``at_most``); None: not measured. The
+    ratio is ``value / goal`` unless ``ratio`` says otherwise."""
+    goal_text = f"{'<=' if at_most else '>='} {shown(goal)}"
+    if value is None:
+        return Check(target, goal_text, "-", None, None)
+    passed = value <= goal if at_most else value >= goal
+    return Check(target, goal_text, shown(value), (ratio or (lambda v: v / goal))(value), passed)
 
 
-def checks(inproc: Sequence[InProcess], comparisons: Sequence[Comparison]) -> list[Check]:
-    out = []
-    by_name = {r.name: r for r in inproc}
-    ours, peer = by_name.get("ours"), by_name.get("snowflake-id")
-    if ours and peer and peer.best:
-        ratio = ours.best / peer.best
-        out.append(
-            Check(
-                "(a) next_id vs snowflake-id, 1 thread",
-                f">= {TARGET_NEXT_ID:.2f} x",
-                f"{ratio:.2f} x",
-                ratio,
-                ratio >= TARGET_NEXT_ID,
-            )
-        )
-    else:
-        out.append(Check("(a) next_id vs snowflake-id, 1 thread", ">= 1.00 x", "-", None, None))
-    four = _find(comparisons, "get_id x4")
-    if four:
-        ratio = four.ratio(OURS, FLOOR)
-        p99, p999 = four.latency_ms(OURS, 0.99), four.latency_ms(OURS, 0.999)
-        out += [
-            Check(
-                "(b) get_id, 4 connections, vs floor",
-                f">= {TARGET_GET_ID:.2f} x",
-                f"{ratio:.2f} x",
-                ratio,
-                ratio >= TARGET_GET_ID,
-            ),
-            Check(
-                "(b) get_id p99, 4 connections",
-                f"<= {TARGET_P99_MS:g} ms",
-                f"{p99:.3f} ms",
-                p99 / TARGET_P99_MS,
-                p99 <= TARGET_P99_MS,
-            ),
-            Check(
-                "(b) get_id p999, 4 connections",
-                f"<= {TARGET_P999_MS:g} ms",
-                f"{p999:.3f} ms",
-                p999 / TARGET_P999_MS,
-                p999 <= TARGET_P999_MS,
-            ),
-        ]
-    batch = _find(comparisons, "get_ids(4096)")
-    if batch:
-        share = batch.rate(OURS) / LIMIT
-        out.append(
-            Check(
-                "(c) get_ids(4096) vs one worker's 4,096,000 ids/s",
-                f">= {TARGET_GET_IDS:.0%}",
-                f"{share:.1%}",
-                share,
-                share >= TARGET_GET_IDS,
-            )
-        )
+def _times(value: float) -> str:
+    return f"{value:.2f} x"
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1e3:.3f} ms"
+
+
+def _micro(us: float) -> str:
+    return f"{us:.1f} µs"
+
+
+def _share(value: float) -> str:
+    return f"{value:.1%}"
+
+
+def _same(value: float) -> float:
+    return value
+
+
+def checks(bench: Bench, plan: Plan, default: str, one: str) -> list[Check]:
+    """The issue's targets: ``default`` is ours with its default settings, ``one`` ours
+    with one process (the same server when the default is one process). Throughput
+    ratios are ours / Java; the others measured / goal."""
+    out: list[Check] = []
+    processes = default.removeprefix("ours-").removesuffix("p")
+    for n in TARGET_CONNECTIONS:
+        rows = summaries(bench, Config("get_id", n))
+        java = rows[JAVA].median if JAVA in rows else 0.0
+        for name, goal, what in (
+            (default, TARGET_VS_JAVA, f"default settings (--processes {processes})"),
+            (one, TARGET_ONE_PROCESS_VS_JAVA, "one process"),
+        ):
+            ratio = rows[name].median / java if name in rows and java else None
+            target = f"get_id calls/s vs Java anchor, {n} connections, ours, {what}"
+            out.append(_check(target, ratio, goal, _times, ratio=_same))
+    row = summaries(bench, Config("get_id", LATENCY_CONNECTIONS)).get(default)
+    for q, limit, label in ((0.99, TARGET_P99_US, "p99"), (0.999, TARGET_P999_US, "p999")):
+        target = f"get_id {label}, {LATENCY_CONNECTIONS} connections, ours (default)"
+        out.append(_check(target, row.us(q) if row else None, limit, _ms, at_most=True))
+    idle = summaries(bench, Config("get_id", plan.idle_active, idle=plan.idle)).get(default)
+    target = f"active p99 with {plan.idle:,} idle connections, ours (default)"
+    check = _check(target, idle.us(0.99) if idle else None, TARGET_IDLE_P99_US, _ms, at_most=True)
+    if idle and idle.idle_kept < plan.idle:  # the server closed some: not what was asked
+        kept = f"{check.measured}, but only {idle.idle_kept:,} idle connections stayed open"
+        check = replace(check, measured=kept, passed=False)
+    out.append(check)
+    for n in TARGET_CONNECTIONS:
+        row = summaries(bench, Config("get_id", n)).get(default)
+        target = f"server CPU per get_id call, {n} connections, ours (default)"
+        cpu = row.server_cpu_us if row else None
+        out.append(_check(target, cpu, TARGET_SERVER_CPU_US, _micro, at_most=True))
+    batch = summaries(bench, Config("get_ids", 1, plan.batch)).get(default)
+    target = f"get_ids({plan.batch}) ids/s, 1 connection, ours (default), of 4,096,000"
+    share = batch.median / DEFAULT_WORKER_LIMIT if batch else None
+    out.append(_check(target, share, TARGET_GET_IDS, _share, ratio=_same))
+    out.append(client_cpu_check(bench, plan))
     return out
 
 
-def _ms(c: Comparison, name: str) -> str:
-    return " / ".join(f"{c.latency_ms(name, q):.3f}" for q in (0.5, 0.99, 0.999))
+def client_cpu_check(bench: Bench, plan: Plan) -> Check:
+    """The load generator's CPU per get_id call, in its worst configuration (it depends
+    on the server: a slower one leaves it more wake-ups and colder caches per call)."""
+    costs = {
+        f"{name}, {n} connections": row.client_cpu_us
+        for n in plan.connections
+        for name, row in summaries(bench, Config("get_id", n)).items()
+    }
+    target = "load generator's client CPU per get_id call, worst configuration"
+    if not costs:
+        return _check(target, None, TARGET_CLIENT_CPU_US, _micro, at_most=True)
+    where = max(costs, key=costs.__getitem__)
+    check = _check(f"{target} ({where})", costs[where], TARGET_CLIENT_CPU_US, _micro, at_most=True)
+    median = statistics.median(costs.values())
+    return replace(check, measured=f"{check.measured} (median of all: {median:.1f} µs)")
+
+
+# -- the report ------------------------------------------------------------------------
 
 
 def markdown(
     meta: dict[str, Any],
-    inproc: Sequence[InProcess],
-    comparisons: Sequence[Comparison],
-    scaled: Sequence[Comparison],
-    scaling_note: str,
+    bench: Bench,
+    plan: Plan,
+    labels: dict[str, str],
     results: Sequence[Check],
 ) -> str:
     lines = [
         f"# snowflake benchmark, {meta['time']}",
         "",
-        f"{meta['machine']}. {meta['mode']} run: {meta['settings']}. Load average "
-        f"{meta['load_before']} before, {meta['load_after']} after: a shared machine, so "
-        "compare the ratios, measured side by side, more than the absolute figures.",
+        f"{meta['machine']}; load average {meta['load_before']} before, "
+        f"{meta['load_after']} after. {meta['mode'].capitalize()} run: {meta['settings']}.",
+        "",
+        "Servers: " + "; ".join(f"**{name}**: {label}" for name, label in labels.items()) + ". "
+        f"Ours is the working tree at {meta['ours']}, old the server of {meta['baseline_rev']}.",
         "",
         "## Targets",
         "",
-        "| target | goal | measured | result |",
-        "|---|---|--:|---|",
-        *(f"| {c.target} | {c.goal} | {c.measured} | **{c.verdict}** |" for c in results),
+        "| target | goal | measured | ratio | result |",
+        "|---|---|--:|--:|---|",
+        *(
+            f"| {c.target} | {c.goal} | {c.measured} | "
+            f"{'-' if c.ratio is None else f'{c.ratio:.2f}'} | **{c.verdict}** |"
+            for c in results
+        ),
+        "",
+        "## get_id",
+        "",
+        "| connections | server | calls/s (median) | rounds | vs java | vs old "
+        "| p50 / p99 / p999 µs | server CPU µs/call | client CPU µs/call |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
-    if inproc:
-        by_name = {r.name: r.best for r in inproc}
-        peer, lock = by_name.get("snowflake-id"), by_name.get("lock")
-        lines += [
-            "",
-            "## (a) In-process ids/s, one thread",
-            "",
-            "| generator | ids/s (best round) | vs snowflake-id | vs bare lock |",
-            "|---|--:|--:|--:|",
-        ]
-        for r in inproc:
-            vs_peer = f"{r.best / peer:.2f} x" if peer else "-"
-            vs_lock = f"{r.best / lock:.2f} x" if lock else "-"
-            lines.append(f"| {r.label} | {r.best:,.0f} | {vs_peer} | {vs_lock} |")
-    ids = [c for c in comparisons if c.method == "get_id"]
-    if ids:
-        lines += [
-            "",
-            "## (b) get_id over Thrift (framed, binary), one client process per connection",
-            "",
-            "| connections | ours calls/s | floor calls/s | ours / floor | per round "
-            "| ours p50 / p99 / p999 ms | floor p50 / p99 / p999 ms |",
-            "|--:|--:|--:|--:|--:|--:|--:|",
-        ]
-        for c in ids:
+    for n in plan.connections:
+        rows = summaries(bench, Config("get_id", n))
+        for name, row in rows.items():
             lines.append(
-                f"| {c.connections} | {c.rate(OURS):,.0f} | {c.rate(FLOOR):,.0f} "
-                f"| {c.ratio(OURS, FLOOR):.2f} x | {c.ratio_range(OURS, FLOOR)} "
-                f"| {_ms(c, OURS)} | {_ms(c, FLOOR)} |"
+                f"| {n} | {name} | {row.median:,.0f} | {row.span} | {_vs(row, rows, JAVA)} "
+                f"| {_vs(row, rows, OLD)} | {_percentiles(row)} | {_cpu(row.server_cpu_us)} "
+                f"| {row.client_cpu_us:.1f} |"
             )
-    batches = [c for c in comparisons if c.method == "get_ids"]
-    if batches:
-        lines += [
-            "",
-            f"## (c) get_ids ids/s next to one worker's limit ({LIMIT:,} ids/s)",
-            "",
-            "| ids per call | connections | ours ids/s | of the limit | ours calls/s "
-            "| ours p50 / p99 ms | floor ids/s | ours / floor |",
-            "|--:|--:|--:|--:|--:|--:|--:|--:|",
-        ]
-        for c in batches:
-            best = c.best(OURS)
-            lines.append(
-                f"| {c.batch:,} | {c.connections} | {c.rate(OURS):,.0f} "
-                f"| {c.rate(OURS) / LIMIT:.1%} "
-                f"| {best.calls_per_s:,.0f} | {c.latency_ms(OURS, 0.5):.3f} / "
-                f"{c.latency_ms(OURS, 0.99):.3f} | {c.rate(FLOOR):,.0f} "
-                f"| {c.ratio(OURS, FLOOR):.2f} x |"
-            )
-    lines += ["", "## (d) Scaling: --processes 1 and 2 (SO_REUSEPORT)", ""]
-    if scaled:
-        lines += [
-            "| measurement | 1 process | 2 processes | 2 / 1 | per round "
-            "| connections per process | p99 ms, 1 / 2 |",
-            "|---|--:|--:|--:|--:|--:|--:|",
-        ]
-        for c in scaled:
-            unit = "calls/s" if c.method == "get_id" else "ids/s"
-            lines.append(
-                f"| {c.key.replace(' x', ', connections: ')} | {c.rate('1p'):,.0f} {unit} "
-                f"| {c.rate('2p'):,.0f} {unit} | {c.ratio('2p', '1p'):.2f} x "
-                f"| {c.ratio_range('2p', '1p')} "
-                f"| {', '.join(sorted({_split(r) for r in c.runs['2p']}))} "
-                f"| {c.latency_ms('1p', 0.99):.3f} / {c.latency_ms('2p', 0.99):.3f} |"
-            )
-    else:
-        lines.append(scaling_note)
     lines += [
         "",
-        "Throughput: the best of the interleaved rounds. Latency: percentiles over every "
-        "call of every round, timed by the client (round trip on 127.0.0.1). The floor is "
-        "thriftpy2's TThreadedServer with a handler that returns a constant.",
+        f"## get_ids({plan.batch})",
+        "",
+        f"One worker id's limit is {DEFAULT_WORKER_LIMIT:,} ids/s; a server of two "
+        "processes has two worker ids.",
+        "",
+        "| connections | server | ids/s (median) | rounds | of 4,096,000 | p50 / p99 µs "
+        "| server CPU µs/call |",
+        "|--:|---|--:|--:|--:|--:|--:|",
     ]
-    errors = sorted({e for c in [*comparisons, *scaled] for e in c.errors()})
+    for n in plan.batch_connections:
+        for name, row in summaries(bench, Config("get_ids", n, plan.batch)).items():
+            lines.append(
+                f"| {n} | {name} | {row.median:,.0f} | {row.span} "
+                f"| {row.median / DEFAULT_WORKER_LIMIT:.1%} "
+                f"| {row.us(0.5):,.0f} / {row.us(0.99):,.0f} | {_cpu(row.server_cpu_us)} |"
+            )
+    idle = summaries(bench, Config("get_id", plan.idle_active, idle=plan.idle))
+    lines += [
+        "",
+        f"## get_id on {plan.idle_active} connections with {plan.idle:,} idle ones open",
+        "",
+        f"Ours ran {meta.get('idle_server') or 'with its default settings'}; the idle "
+        "connections are opened first and stay silent.",
+        "",
+        "| server | idle connections kept | calls/s (median) | p50 / p99 / p999 µs "
+        "| server CPU µs/call |",
+        "|---|--:|--:|--:|--:|",
+        *(
+            f"| {name} | {row.idle_kept:,} | {row.median:,.0f} | {_percentiles(row)} "
+            f"| {_cpu(row.server_cpu_us)} |"
+            for name, row in idle.items()
+        ),
+    ]
+    if not idle:
+        lines.append(f"| {meta.get('idle_note') or 'not measured'} | | | | |")
+    splits = {split for run in bench.runs if (split := _split(run))}
+    lines += [
+        "",
+        "Throughput: the median of the rounds, and the lowest and highest round. Latency: "
+        "percentiles over every call of every round, timed by the load generator (the round "
+        "trip on 127.0.0.1). Server CPU: user + system time of the server's process group "
+        "during the measured period, per call. Client CPU: the load generator's, the same way.",
+    ]
+    if splits:
+        lines += [
+            "",
+            "Connections per server process (told apart by worker id): "
+            + ", ".join(sorted(splits, key=lambda split: int(split.split("+")[0])))
+            + ".",
+        ]
+    errors = sorted({f"{run.server}, {run.key}: {e}" for run in bench.runs for e in run.errors})
     if errors:
         lines += ["", "**Errors during the run:**", "", *(f"- {e}" for e in errors)]
     return "\n".join(lines) + "\n"
 
 
-def chart(
-    path: Path,
-    inproc: Sequence[InProcess],
-    comparisons: Sequence[Comparison],
-    scaled: Sequence[Comparison],
-    results: Sequence[Check],
-    title: str,
-) -> bool:
-    """Draw the PNG; False when matplotlib is missing."""
-    try:
-        import matplotlib
+def _vs(row: Summary, rows: dict[str, Summary], base: str) -> str:
+    other = rows.get(base)
+    return f"{row.median / other.median:.2f} x" if other and other.median else "-"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    colors = {OURS: "#1f77b4", FLOOR: "#999999", "1p": "#1f77b4", "2p": "#2ca02c"}
-    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
-    fig.suptitle(title)
 
-    ax = axes[0][0]
-    ax.barh(
-        [r.name for r in inproc],
-        [r.best / 1e6 for r in inproc],
-        color=["#1f77b4", "#ff7f0e", "#999999"][: len(inproc)],
+def _percentiles(row: Summary) -> str:
+    histogram = row.histogram()
+    return " / ".join(_us(histogram, q) for q in (0.5, 0.99, 0.999))
+
+
+def _cpu(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+# -- main ------------------------------------------------------------------------------
+
+
+def raise_file_limit(needed: int) -> str:
+    """Soft RLIMIT_NOFILE up to the hard one, for this process and the servers and load
+    generators it starts (never system-wide); a note if still below ``needed``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        return (
+            f"the idle connections need {needed:,} open files and the hard limit is "
+            f"{soft:,} (ulimit -Hn): not measured"
+        )
+    return ""
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30, check=False
     )
-    for i, r in enumerate(inproc):
-        ax.text(r.best / 1e6, i, f" {r.best / 1e6:.2f} M", va="center")
-    ax.set_title("(a) in-process next_id, 1 thread")
-    ax.set_xlabel("million ids/s")
-    ax.invert_yaxis()
-    ax.margins(x=0.25)
+    return done.stdout.strip() if done.returncode == 0 else "?"
 
-    ids = [c for c in comparisons if c.method == "get_id"]
-    ax = axes[0][1]
-    width = 0.38
-    for j, name in enumerate((OURS, FLOOR)):
-        xs = [i + (j - 0.5) * width for i in range(len(ids))]
-        ax.bar(xs, [c.rate(name) / 1e3 for c in ids], width, label=name, color=colors[name])
-    for i, c in enumerate(ids):
-        ax.text(
-            i,
-            max(c.rate(OURS), c.rate(FLOOR)) / 1e3,
-            f"{c.ratio(OURS, FLOOR):.2f} x",
-            ha="center",
-            va="bottom",
+
+def ours_defaults() -> tuple[int, int]:
+    """Our server's default process count and connection limit."""
+    from snowflake_server import ServerSettings
+
+    defaults = ServerSettings()
+    return int(defaults.processes), int(defaults.max_connections)
+
+
+def contenders(
+    plan: Plan, selected: set[str], baseline_rev: str, build: Path, default_processes: int
+) -> list[Contender]:
+    """What the run measures, in the order of the tables; worker ids all differ."""
+    counts = sorted({1, 2, default_processes})
+    out = []
+    worker = 1
+    for n in counts:
+        name = f"ours-{n}p"
+        if name in selected or (n == default_processes and "ours" in selected):
+            args = ("--processes", str(n), "--worker-id", str(worker))
+            out.append(Contender(name, f"ours, --processes {n}", n, _ours(name, args)))
+        worker += n
+    if JAVA in selected:
+        out.append(Contender(JAVA, "Java anchor: TThreadPoolServer, Twitter's IdWorker", 1,
+                             _anchor(start_java_anchor, JAVA, build, worker)))  # fmt: skip
+    if GO in selected:
+        out.append(Contender(GO, "Go anchor: TSimpleServer, Twitter's IdWorker", 1,
+                             _anchor(start_go_anchor, GO, build, worker + 1)))  # fmt: skip
+    if OLD in selected:
+        out.append(Contender(OLD, f"the threaded server of {baseline_rev} (before)", 1,
+                             _old(baseline_rev, worker + 2)))  # fmt: skip
+    return out
+
+
+def _ours(name: str, args: tuple[str, ...]) -> Callable[[Path], Server]:
+    return lambda work: start_ours(name, work / "logs", work / f"state-{name}", *args)
+
+
+def _anchor(
+    start: Callable[[str, Path, Path, int], Server], name: str, build: Path, worker: int
+) -> Callable[[Path], Server]:
+    return lambda work: start(name, work / "logs", build, worker)
+
+
+def _old(rev: str, worker: int) -> Callable[[Path], Server]:
+    def start(work: Path) -> Server:
+        source = extract_baseline(rev, work / "baseline")
+        return start_baseline(
+            OLD, work / "logs", work / "state-old", source, "--worker-id", str(worker)
         )
-    ax.set_xticks(range(len(ids)), [str(c.connections) for c in ids])
-    ax.set_title("(b) get_id calls/s (ours / floor)")
-    ax.set_xlabel("client connections (processes)")
-    ax.set_ylabel("thousand calls/s")
-    ax.margins(y=0.15)
-    ax.legend()
 
-    ax = axes[0][2]
-    for name, style in ((OURS, "-"), (FLOOR, "--")):
-        for q, marker in ((0.5, "o"), (0.99, "s"), (0.999, "^")):
-            ax.plot(
-                [c.connections for c in ids],
-                [c.latency_ms(name, q) for c in ids],
-                style,
-                marker=marker,
-                color=colors[name],
-                label=f"{name} p{str(q * 100).rstrip('0').rstrip('.')}",
-            )
-    ax.axhline(TARGET_P99_MS, color="red", lw=0.8, ls=":")
-    ax.axhline(TARGET_P999_MS, color="red", lw=0.8, ls=":")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks([c.connections for c in ids], [str(c.connections) for c in ids])
-    ax.set_yscale("log")
-    ax.set_title("(b) get_id latency (targets at 4 connections: dotted)")
-    ax.set_xlabel("client connections")
-    ax.set_ylabel("ms")
-    ax.legend(fontsize="small", ncol=2)
-
-    batches = [c for c in comparisons if c.method == "get_ids" and c.connections == 1]
-    ax = axes[1][0]
-    for name in (OURS, FLOOR):
-        ax.plot(
-            [c.batch for c in batches],
-            [c.rate(name) / 1e6 for c in batches],
-            "-o",
-            color=colors[name],
-            label=name,
-        )
-    two = _find(comparisons, "get_ids(4096) x2")
-    if two:
-        ax.plot([4096], [two.rate(OURS) / 1e6], "D", color=colors[OURS], label="ours, 2 conns")
-    ax.axhline(LIMIT / 1e6, color="red", ls="--", lw=1, label="one worker's limit")
-    ax.axhline(TARGET_GET_IDS * LIMIT / 1e6, color="red", ls=":", lw=0.8, label="85 % target")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks([c.batch for c in batches], [f"{c.batch:,}" for c in batches])
-    ax.set_yscale("log")
-    ax.set_title("(c) get_ids ids/s, 1 connection")
-    ax.set_xlabel("ids per call")
-    ax.set_ylabel("million ids/s")
-    ax.legend(fontsize="small")
-
-    ax = axes[1][1]
-    if scaled:
-        for j, name in enumerate(("1p", "2p")):
-            xs = [i + (j - 0.5) * width for i in range(len(scaled))]
-            ax.bar(
-                xs,
-                [c.ratio(name, "1p") for c in scaled],
-                width,
-                label=f"--processes {name[0]}",
-                color=colors[name],
-            )
-        for i, c in enumerate(scaled):
-            unit = "calls/s" if c.method == "get_id" else "ids/s"
-            ax.text(
-                i,
-                0.02,
-                f"{c.rate('1p'):,.0f}\n{unit}",
-                ha="center",
-                va="bottom",
-                fontsize="small",
-                color="white",
-            )
-        ax.set_xticks(range(len(scaled)), [c.key for c in scaled])
-        ax.set_ylabel("throughput / --processes 1")
-        ax.legend()
-    else:
-        ax.text(0.5, 0.5, "--processes not available", ha="center", transform=ax.transAxes)
-        ax.set_xticks([])
-        ax.set_yticks([])
-    ax.set_title("(d) scaling with --processes")
-
-    ax = axes[1][2]
-    ax.axis("off")
-    ax.set_title("targets")
-    for i, check in enumerate(results):
-        color = {"PASS": "green", "MISS": "red"}.get(check.verdict, "gray")
-        ax.text(
-            0.0,
-            0.9 - i * 0.16,
-            f"{check.verdict}",
-            color=color,
-            weight="bold",
-            transform=ax.transAxes,
-        )
-        ax.text(
-            0.14,
-            0.9 - i * 0.16,
-            f"{check.target}\n{check.measured} (goal {check.goal})",
-            transform=ax.transAxes,
-            fontsize="small",
-            va="center",
-        )
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return True
+    return start
 
 
-def _load_avg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+@contextmanager
+def running(contenders_: Sequence[Contender], work: Path) -> Iterator[dict[str, Server]]:
+    """Every contender started (one after the other), all stopped at the end."""
+    with ExitStack() as stack:
+        servers: dict[str, Server] = {}
+        for contender in contenders_:
+            print(f"  starting {contender.name}: {contender.label}", flush=True)
+            server = contender.start(work)
+            stack.callback(server.stop)
+            servers[contender.name] = server
+        yield servers
+
+
+SERVER_NAMES = ("ours-1p", "ours-2p", JAVA, GO, OLD)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a short smoke run (< 1 minute)")
-    parser.add_argument("--seconds", type=float, help="per get_id measurement (full: 4)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds per server (full: 2)")
+    parser.add_argument("--quick", action="store_true", help="a short run (about a minute)")
+    parser.add_argument("--seconds", type=float, help="measured seconds per run (full: 3)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (full: 3)")
+    parser.add_argument("--idle", type=int, help="idle connections (default 10,000; 0: skip)")
+    parser.add_argument(
+        "--servers",
+        default=",".join(SERVER_NAMES),
+        help=f"comma-separated, of {', '.join(SERVER_NAMES)} (default: all; 'ours' is ours "
+        "with its default process count)",
+    )
+    parser.add_argument(
+        "--baseline-rev", default=BASELINE_REV, help=f"commit of old (default {BASELINE_REV})"
+    )
+    parser.add_argument("--build", type=Path, default=BUILD, help="where make bench-build built")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
-    parser.add_argument("--no-scaling", action="store_true", help="skip --processes 1 vs 2")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.selected = {s.strip() for s in args.servers.split(",") if s.strip()}
+    unknown = args.selected - {*SERVER_NAMES, "ours"}
+    if unknown or not args.selected:
+        parser.error(f"--servers: unknown {', '.join(sorted(unknown)) or 'empty list'}")
+    if args.seconds is not None and not 0.05 <= args.seconds <= 600:
+        parser.error("--seconds: 0.05..600")
+    if args.rounds is not None and not 1 <= args.rounds <= 20:
+        parser.error("--rounds: 1..20")
+    if args.idle is not None and not 0 <= args.idle <= 100_000:
+        parser.error("--idle: 0..100000")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     plan = QUICK if args.quick else FULL
-    if args.seconds:
-        plan = replace(plan, seconds=args.seconds, batch_seconds=max(0.5, args.seconds / 2))
-    if args.rounds:
-        plan = replace(plan, rounds=max(1, args.rounds))
+    if args.seconds is not None:
+        plan = replace(plan, seconds=args.seconds)
+    if args.rounds is not None:
+        plan = replace(plan, rounds=args.rounds)
+    if args.idle is not None:
+        plan = replace(plan, idle=args.idle)
+    loadgen = args.build / "loadgen"
+    if not loadgen.exists():
+        print(f"{loadgen} is missing: build it with `make bench-build`", file=sys.stderr)
+        return 1
+    ours_selected = bool(args.selected & {"ours", "ours-1p", "ours-2p"})
+    default_processes, default_max_connections = ours_defaults() if ours_selected else (1, 0)
+    default, one = f"ours-{default_processes}p", "ours-1p"
+    idle_note = raise_file_limit(plan.idle + plan.idle_active + 64) if plan.idle else "skipped"
+
     started = time.monotonic()
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     out_dir = args.out / stamp
@@ -709,94 +768,118 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}",
         "mode": "quick" if args.quick else "full",
-        "settings": f"{plan.seconds:g} s per get_id and {plan.batch_seconds:g} s per get_ids "
-        f"measurement, {plan.rounds} interleaved round(s) per server; in-process best of "
-        f"{plan.inproc_rounds} x {plan.inproc_seconds:g} s",
+        "settings": f"{plan.rounds} round(s) of {plan.warmup_s:g} s warm-up + "
+        f"{plan.seconds:g} s measured per configuration and server; the idle measurement "
+        f"{plan.idle_rounds} round(s)",
+        "ours": _git("describe", "--always", "--dirty"),
+        "baseline_rev": _git("rev-parse", "--short", args.baseline_rev),
+        "default_processes": default_processes,
         "load_before": _load_avg(),
+        "idle_note": idle_note,
     }
     print(f"results: {out_dir}", flush=True)
-    print("(a) in-process next_id ...", flush=True)
-    inproc = in_process(plan)
-    for r in inproc:
-        print(f"  {r.label:<44} {r.best:>12,.0f} ids/s", flush=True)
-
-    comparisons: list[Comparison] = []
-    scaled: list[Comparison] = []
-    scaling_note = "scaling: skipped (--no-scaling)"
+    specs = contenders(plan, args.selected, args.baseline_rev, args.build, default_processes)
+    labels = {c.name: c.label for c in specs}
+    if default in labels:
+        labels[default] += " (the default)"
+    spread = {c.name: c.processes for c in specs}
+    configs = [
+        *(Config("get_id", n) for n in plan.connections),
+        *(Config("get_ids", n, plan.batch) for n in plan.batch_connections),
+    ]
+    failed = ""
     with tempfile.TemporaryDirectory(prefix="snowflake-bench-") as tmp:
         work = Path(tmp)
-        servers: dict[str, Server] = {}
+        bench = Bench(plan, loadgen, {}, spread)
         try:
-            with LoadGenerator(max(plan.connections)) as load:
-                servers[OURS] = start_ours("ours", work / "logs", work / "state")
-                servers[FLOOR] = start_floor("floor", work / "logs")
-                print("(b, c) over Thrift, ours against the floor ...", flush=True)
-                comparisons = over_thrift(load, servers, plan)
-                for server in servers.values():
-                    server.stop()
-                if not args.no_scaling:
-                    print("(d) scaling ...", flush=True)
-                    scaling_note, scaled = scaling(load, plan, work)
-                    if scaling_note:
-                        print(scaling_note, flush=True)
+            with running(specs, work) as servers:
+                bench.servers = servers
+                bench.warm_up()
+                bench.rounds(list(servers), configs, plan.rounds)
+                if not idle_note:
+                    meta["idle_server"] = idle_phase(
+                        bench, plan, work, spread.get(default, 0), default,
+                        default_max_connections,
+                    )  # fmt: skip
         except (ServerFailed, BenchError) as e:
+            failed = str(e)
             print(f"benchmark failed: {e}", file=sys.stderr)
-            return 1
         finally:
-            for server in servers.values():
-                server.stop()
             logs = work / "logs"
             if logs.exists():
                 shutil.copytree(logs, out_dir / "logs", dirs_exist_ok=True)
 
     meta["load_after"] = _load_avg()
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
-    results = checks(inproc, comparisons)
-    text = markdown(meta, inproc, comparisons, scaled, scaling_note, results)
+    results = checks(bench, plan, default, one)
+    text = markdown(meta, bench, plan, labels, results)
+    if failed:
+        text += f"\n**The run stopped early:** {failed}\n"
     (out_dir / "results.md").write_text(text)
     report = {
         "meta": meta,
         "plan": asdict(plan),
-        "targets": [vars(c) | {"verdict": c.verdict} for c in results],
-        "in_process": [vars(r) | {"best": r.best} for r in inproc],
-        "over_thrift": [c.to_json() for c in comparisons],
-        "scaling": [c.to_json() for c in scaled],
-        "scaling_note": scaling_note,
+        "servers": labels,
+        "targets": [asdict(c) | {"verdict": c.verdict} for c in results],
+        "runs": [run.to_json() for run in bench.runs],
     }
-    (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    drawn = chart(
-        out_dir / "chart.png",
-        inproc,
-        comparisons,
-        scaled,
-        results,
-        f"snowflake benchmark, {meta['time']} ({meta['mode']})",
-    )
-    if not args.quick:  # latest.md and latest.png (shown in the README): full runs only
+    (out_dir / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+    if not args.quick and not failed:
         shutil.copyfile(out_dir / "results.md", args.out / "latest.md")
-        if drawn:
-            shutil.copyfile(out_dir / "chart.png", args.out / "latest.png")
 
     print()
     print(text)
-    print("ratios:")
+    print("targets:")
     for check in results:
-        ratio = "" if check.ratio is None else f" (ratio {check.ratio:.3f})"
+        ratio = "" if check.ratio is None else f" (ratio {check.ratio:.2f})"
         print(f"  {check.verdict:<4} {check.target}: {check.measured}, goal {check.goal}{ratio}")
-    for c in scaled:
-        print(f"  scaling {c.key}: --processes 2 / 1 = {c.ratio('2p', '1p'):.2f} x")
-    if scaling_note:
-        print(f"  {scaling_note}")
-    if not drawn:
-        print("no chart: matplotlib is not installed (pip install -e '.[bench]')")
-    if args.quick:
-        print("(a --quick run leaves bench/results/latest.md and latest.png as they were)")
+    errors = sum(int(run.report["errors"]) for run in bench.runs)
     print(
-        f"\nwritten: {out_dir}/results.md, results.json"
-        + (", chart.png" if drawn else "")
-        + f" in {meta['elapsed_s']} s"
+        f"\nwritten: {out_dir}/results.md, results.json in {meta['elapsed_s']} s"
+        + ("" if args.quick or failed else f"; and {args.out / 'latest.md'}")
     )
-    return 0
+    if errors:
+        print(f"{errors} error(s) in the load generator's checks: see above", file=sys.stderr)
+    return 1 if failed or errors else 0
+
+
+def idle_phase(
+    bench: Bench,
+    plan: Plan,
+    work: Path,
+    processes: int,
+    default: str,
+    default_max_connections: int,
+) -> str:
+    """The active connections' latency with ``plan.idle`` idle ones open, on ours (with
+    its default process count) and the anchors, of the servers running. Ours runs anew
+    with a connection limit above the idle connections when its default is below them;
+    what it ran with is returned."""
+    needed = plan.idle + plan.idle_active + 64
+    names = [name for name in (default, JAVA, GO) if name in bench.servers]
+    config = Config("get_id", plan.idle_active, idle=plan.idle)
+    print(f"idle: {plan.idle:,} idle connections", flush=True)
+    if default not in names or default_max_connections >= needed:
+        bench.rounds(names, [config], plan.idle_rounds)
+        return "with its default settings" if default in names else ""
+    flags = ("--processes", str(processes), "--worker-id", "20", "--max-connections", str(needed))
+    print(f"  starting {default} again with {' '.join(flags)}", flush=True)
+    ours = start_ours(f"{default}-idle", work / "logs", work / f"state-{default}-idle", *flags)
+    before = bench.servers[default]
+    bench.servers[default] = ours
+    try:
+        bench.rounds(names, [config], plan.idle_rounds)
+    finally:
+        bench.servers[default] = before
+        ours.stop()
+    return (
+        f"with --max-connections {needed:,} (its default, {default_max_connections:,}, "
+        "is below the idle connections)"
+    )
+
+
+def _load_avg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -1,41 +1,70 @@
-"""Server processes for the benchmark: ``snowflake-server`` and the bare floor server.
+"""The servers the benchmark measures, each in a process group of its own on 127.0.0.1.
 
-Each runs in its own process group on free loopback ports; its stdout and stderr go
-to files in a log folder, and the ready line is read from the stdout file.
+- ``start_ours``: ``snowflake-server`` of the working tree (``python -m snowflake_server``);
+- ``start_baseline``: the same command on the server of an earlier commit, extracted by
+  ``extract_baseline`` (the before of a before/after; its code is never copied here);
+- ``start_java_anchor`` and ``start_go_anchor``: Apache Thrift's ``TThreadPoolServer``
+  and ``TSimpleServer`` serving Twitter's IdWorker (``bench/anchors/``), built by
+  ``make bench-build`` into ``bench/build/``;
+- ``start_floor``: the bare thriftpy2 server of ``floor_server.py``, which returns a
+  constant id (the tests use it to prove that the load generator's checks bite).
+
+Each prints a ready line with ``thrift=HOST:PORT``; :func:`launch` reads it from the
+process's stdout (no polling) and copies everything the process writes to files in a
+log folder. :meth:`Server.cpu_seconds` sums the CPU time of the whole process group,
+so that a server with child processes (``--processes 2``) is measured whole.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from snowflake_server._app.ready import READY_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / "bench" / "build"
 FLOOR_SCRIPT = ROOT / "bench" / "floor_server.py"
 FLOOR_READY = "floor-server ready"
+ANCHOR_READY = "anchor ready"
+BASELINE_REV = "ec6aa28"
+"""The last commit of the thread-per-connection server, before the event-loop one."""
+JAVA_LIBS = ("/usr/share/java/thrift.jar", "/usr/share/java/slf4j-nop.jar")
+HOST_LOCK_SCOPE = f"bench-{os.getpid()}"
+"""The host-wide worker locks of this process's servers: never those of a server that
+runs beside the benchmark (a developer's, a test's) with the same worker id."""
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class ServerFailed(RuntimeError):
-    """A server did not start; the message ends with its log."""
+    """A server could not be built, extracted or started; the message says why."""
 
 
 @dataclass
 class Server:
-    """A running server process (and its process group)."""
+    """A running server process, the leader of its own process group."""
 
     name: str
     process: subprocess.Popen[bytes]
     host: str
     port: int
-    stdout: Path
-    stderr: Path
+    log_dir: Path
+
+    @property
+    def stderr(self) -> Path:
+        return self.log_dir / f"{self.name}.err"
 
     def log_tail(self, lines: int = 20) -> str:
         text = self.stderr.read_text(errors="replace") if self.stderr.exists() else ""
@@ -43,6 +72,33 @@ class Server:
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def group(self) -> list[int]:
+        """The pids of the server's process group (its children too)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                fields = _stat_fields(entry.name)
+                if fields and int(fields[2]) == self.process.pid:
+                    pids.append(int(entry.name))
+        return pids
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of every live process of the group, all threads."""
+        total = 0
+        for pid in self.group():
+            fields = _stat_fields(str(pid))
+            if fields:
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / _CLOCK_TICKS
+
+    def open_files(self) -> int:
+        """File descriptors open in the group: its connections, and a few more."""
+        count = 0
+        for pid in self.group():
+            with contextlib.suppress(OSError):  # a process that just ended
+                count += len(os.listdir(f"/proc/{pid}/fd"))
+        return count
 
     def stop(self, timeout_s: float = 15.0) -> int | None:
         """SIGTERM, then SIGKILL to the whole group if it lingers; the exit code."""
@@ -59,49 +115,174 @@ class Server:
         return self.process.returncode
 
 
+def _stat_fields(pid: str) -> list[str] | None:
+    """/proc/PID/stat after the command name (field 3, the state, comes first)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # gone, or not ours to read
+        return None
+    return text.rsplit(")", 1)[1].split()
+
+
 def _clean_env() -> dict[str, str]:
     """This environment without SNOWFLAKE_* settings (the server would read them)."""
     return {k: v for k, v in os.environ.items() if not k.startswith("SNOWFLAKE_")}
 
 
 def launch(
-    name: str, command: list[str], ready_prefix: str, log_dir: Path, timeout_s: float = 30.0
+    name: str,
+    command: list[str],
+    ready_prefix: str,
+    log_dir: Path,
+    *,
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
 ) -> Server:
-    """Start ``command`` and wait for ``ready_prefix ... thrift=HOST:PORT`` on its stdout."""
+    """Start ``command`` and wait for ``ready_prefix ... thrift=HOST:PORT`` on its stdout.
+
+    ``env``: its whole environment (default: this one without SNOWFLAKE_* settings).
+    stdout goes on to ``log_dir/NAME.out`` (a thread copies it), stderr to ``NAME.err``.
+    Raises :class:`ServerFailed` with the log's tail if the line does not come in time.
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
-    out_path, err_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
-    with out_path.open("wb") as out, err_path.open("wb") as err:
+    with (log_dir / f"{name}.err").open("wb") as err:
         process = subprocess.Popen(
-            command, stdout=out, stderr=err, env=_clean_env(), cwd=ROOT, start_new_session=True
+            command, stdout=subprocess.PIPE, stderr=err, cwd=cwd, env=env or _clean_env(),
+            start_new_session=True,
+        )  # fmt: skip
+    assert process.stdout is not None
+    server = Server(name, process, "127.0.0.1", 0, log_dir)
+    out = (log_dir / f"{name}.out").open("wb")
+    line = _read_ready_line(process.stdout, out, ready_prefix, timeout_s)
+    if line is None:
+        out.close()
+        server.stop()
+        process.stdout.close()
+        raise ServerFailed(
+            f"{name} did not print its ready line within {timeout_s:g} s "
+            f"(exit code {process.returncode}); {' '.join(command)}\n{server.log_tail()}"
         )
-    server = Server(name, process, "127.0.0.1", 0, out_path, err_path)
+    fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+    host, port = fields["thrift"].rsplit(":", 1)
+    server.host, server.port = host, int(port)
+    # The rest of stdout is copied on, so that a chatty server never blocks on a pipe.
+    threading.Thread(target=_copy_rest, args=(process.stdout, out), daemon=True).start()
+    return server
+
+
+def _read_ready_line(
+    stdout: IO[bytes], out: IO[bytes], prefix: str, timeout_s: float
+) -> str | None:
+    """The first line starting with ``prefix``; None at EOF or after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in out_path.read_text(errors="replace").splitlines():
-            if line.startswith(ready_prefix):
-                fields = dict(part.split("=", 1) for part in line.split()[2:] if "=" in part)
-                host, port = fields["thrift"].rsplit(":", 1)
-                server.host, server.port = host, int(port)
-                return server
-        if process.poll() is not None:
-            break
-        time.sleep(0.05)
-    server.stop()
-    raise ServerFailed(
-        f"{name} did not print its ready line within {timeout_s:g} s "
-        f"(exit code {process.returncode}):\n{server.log_tail()}"
-    )
+    pending = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(stdout, selectors.EVENT_READ)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not selector.select(remaining):
+                return None
+            chunk = os.read(stdout.fileno(), 65536)
+            if not chunk:
+                return None
+            out.write(chunk)
+            out.flush()
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace")
+                if line.startswith(prefix):
+                    return line
+
+
+def _copy_rest(stdout: IO[bytes], out: IO[bytes]) -> None:
+    with out, stdout:
+        shutil.copyfileobj(stdout, out)
+
+
+def _snowflake_command(state_dir: Path, args: tuple[str, ...]) -> list[str]:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        sys.executable, "-m", "snowflake_server", "--host", "127.0.0.1", "--port", "0",
+        "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--state-dir", str(state_dir),
+        "--log-level", "warning", "--first-start-wait", "0",
+        "--host-lock-scope", HOST_LOCK_SCOPE, *args,
+    ]  # fmt: skip
 
 
 def start_ours(name: str, log_dir: Path, state_dir: Path, *args: str) -> Server:
-    """``snowflake-server`` on free ports, with a fresh state folder."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable, "-m", "snowflake_server", "--host", "127.0.0.1", "--port", "0",
-        "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--state-dir", str(state_dir),
-        "--log-level", "warning", "--first-start-wait", "0", *args,
-    ]  # fmt: skip
-    return launch(name, command, READY_PREFIX, log_dir)
+    """``snowflake-server`` of the working tree on free loopback ports, with a fresh state
+    folder, no first-start wait and this process's host lock scope; ``args`` come last
+    and so win."""
+    return launch(name, _snowflake_command(state_dir, args), READY_PREFIX, log_dir)
+
+
+def extract_baseline(rev: str, dest: Path) -> Path:
+    """``git archive REV snowflake_server`` unpacked into ``dest``; returns ``dest``.
+
+    The extracted package runs in this virtualenv, with the client distribution of the
+    working tree (unchanged by the event-loop rewrite). Checks that Python imports the
+    extracted package there, not the working tree's.
+    """
+    done = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "snowflake_server"],
+        capture_output=True, timeout=60, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise ServerFailed(
+            f"git archive {rev} snowflake_server failed: {done.stderr.decode().strip()} "
+            "(--baseline-rev names the commit of the server to compare with)"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(done.stdout)) as archive:
+        archive.extractall(dest, filter="data")
+    dest = dest.resolve()  # compared with the path Python reports
+    probe = subprocess.run(
+        [sys.executable, "-c", "import snowflake_server; print(snowflake_server.__file__)"],
+        capture_output=True, text=True, cwd=dest, env=_baseline_env(dest), timeout=60,
+        check=False,
+    )  # fmt: skip
+    where = probe.stdout.strip()
+    if probe.returncode != 0 or not Path(where).is_relative_to(dest):
+        raise ServerFailed(
+            f"the server of {rev} does not import from {dest}: {where or probe.stderr}"
+        )
+    return dest
+
+
+def _baseline_env(source: Path) -> dict[str, str]:
+    """The extracted package first on the path. Coverage is off: under ``make test`` it
+    would measure this copy of snowflake_server, in a folder gone by the report."""
+    env = {k: v for k, v in _clean_env().items() if not k.startswith("COVERAGE_")}
+    return env | {"PYTHONPATH": str(source)}
+
+
+def start_baseline(name: str, log_dir: Path, state_dir: Path, source: Path, *args: str) -> Server:
+    """The server extracted into ``source``, with the flags of :func:`start_ours`. It runs
+    in ``source`` so that Python finds it there before the working tree's package."""
+    command = _snowflake_command(state_dir, args)
+    return launch(name, command, READY_PREFIX, log_dir, cwd=source, env=_baseline_env(source))
+
+
+def _built(path: Path) -> Path:
+    if not path.exists():
+        raise ServerFailed(f"{path} is missing: build it with `make bench-build`")
+    return path
+
+
+def start_java_anchor(name: str, log_dir: Path, build: Path, worker_id: int) -> Server:
+    """The Java anchor (``TThreadPoolServer``) built into ``build/java``."""
+    classes = _built(build / "java" / "SnowflakeAnchor.class").parent
+    classpath = ":".join([str(classes), *JAVA_LIBS])
+    command = ["java", "-cp", classpath, "SnowflakeAnchor", "--worker-id", str(worker_id)]
+    return launch(name, command, ANCHOR_READY, log_dir)
+
+
+def start_go_anchor(name: str, log_dir: Path, build: Path, worker_id: int) -> Server:
+    """The Go anchor (``TSimpleServer``) built into ``build/anchor-go``."""
+    command = [str(_built(build / "anchor-go")), "--worker-id", str(worker_id)]
+    return launch(name, command, ANCHOR_READY, log_dir)
 
 
 def start_floor(name: str, log_dir: Path, transport: str = "framed") -> Server:

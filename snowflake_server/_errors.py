@@ -6,6 +6,7 @@
     ├── ConfigurationError                  bad settings, found at start-up (also a ValueError)
     ├── StartupRefused                      starting now could repeat ids: state file, clock
     ├── TimestampOverflowError              the layout's timestamp bits ran out
+    ├── WouldBlock                          internal: a call must wait; run it off the event loop
     └── RequestError                        a request that cannot be served; declared in the IDL
         ├── ClockMovedBackwardsError        -> InvalidSystemClock
         ├── InvalidUserAgentError           -> InvalidUserAgentError
@@ -42,6 +43,7 @@ __all__ = [
     "StartupRefused",
     "TimestampOverflowError",
     "UnavailableError",
+    "WouldBlock",
 ]
 
 
@@ -57,3 +59,10 @@ class TimestampOverflowError(SnowflakeError):
 class ReservationError(UnavailableError):
     """The high-water mark could not be moved past the next id's time, or the
     generator was shut down."""
+
+
+class WouldBlock(SnowflakeError):
+    """Internal, never seen by a client: a call made on a thread that must not wait
+    (the event loop's) would have to wait longer than a ms or for a new
+    reservation. Nothing was issued or counted; run the same call again on a
+    thread that may wait."""

@@ -81,7 +81,8 @@ OPTIONS: tuple[Option, ...] = (
            "Thrift transport: framed (what Twitter's clients speak) or buffered.",
            "{framed,buffered}"),
     Option("idle_timeout", float,
-           "Close a client connection idle for this many seconds; 0 never.", "SECONDS"),
+           "Close a client connection idle for this many seconds (within a quarter more); "
+           "0 never.", "SECONDS"),
     Option("datacenter_id", int, "Datacenter id of this server (0..31 by default).", "N"),
     Option("worker_id", _worker_id,
            "Worker id of this server, unique within its datacenter (0..31 by default); "

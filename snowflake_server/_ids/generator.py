@@ -24,10 +24,38 @@ from .._errors import (
     InvalidCountError,
     ReservationError,
     TimestampOverflowError,
+    WouldBlock,
 )
 from .clocks import pause, wall_clock_ms
 
-__all__ = ["GeneratorCounters", "GeneratorSettings", "IdGenerator", "IdSource"]
+__all__ = [
+    "GeneratorCounters",
+    "GeneratorSettings",
+    "IdGenerator",
+    "IdSource",
+    "forbid_waiting",
+    "waiting_forbidden",
+]
+
+# Threads that must not wait (an event loop's): a call there that would wait longer
+# than _LOOP_WAIT_LIMIT_MS, or for a new reservation, raises WouldBlock instead,
+# before anything is claimed or counted. Read only on those slow paths, never per id.
+_no_waiting = threading.local()
+_LOOP_WAIT_LIMIT_MS = 1
+
+
+def forbid_waiting(forbidden: bool = True) -> None:
+    """Mark the calling thread as one that must not wait: from now on a generator
+    call on it that would wait for more than a ms (a clock stepped back) or for a
+    new reservation raises ``WouldBlock``, having issued and counted nothing, so
+    that the caller can make the same call on a thread that may wait. Waiting out
+    an exhausted sequence (under a ms) still happens in place."""
+    _no_waiting.forbidden = forbidden
+
+
+def waiting_forbidden() -> bool:
+    """Whether :func:`forbid_waiting` marked the calling thread."""
+    return bool(getattr(_no_waiting, "forbidden", False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +328,11 @@ class IdGenerator:
         while True:
             if now > last:
                 if now > self._ceiling:
-                    self._pass_ceiling(now, renewed)
+                    try:
+                        self._pass_ceiling(now, renewed)
+                    except WouldBlock:
+                        self._uncount(waited_full, waited_back)
+                        raise
                     # Other calls ran meanwhile: start over from a fresh reading.
                     renewed = True
                     now = self._clock()
@@ -326,11 +358,19 @@ class IdGenerator:
                 if behind > self._tolerance:
                     self.clock_backwards_refused += 1
                     raise ClockMovedBackwardsError(behind)
+                if behind > _LOOP_WAIT_LIMIT_MS and waiting_forbidden():
+                    self._uncount(waited_full, waited_back)
+                    raise WouldBlock(f"the clock is {behind} ms behind the newest id")
                 if not waited_back:
                     waited_back = True
                     self.clock_backwards_waited += 1
                 self._sleep(behind / 1000)
             now = self._clock()
+
+    def _uncount(self, waited_full: bool, waited_back: bool) -> None:
+        # A call that raises WouldBlock is made again elsewhere and counts its waits there.
+        self.sequence_exhausted_waits -= waited_full
+        self.clock_backwards_waited -= waited_back
 
     def _pass_ceiling(self, now: int, renewed: bool) -> None:
         """Reserve past ``now``, with the lock released meanwhile (the caller holds it,
@@ -348,6 +388,8 @@ class IdGenerator:
                 f"no high-water mark covers ms {now} yet: the reservation reached only "
                 f"ms {self._ceiling}"
             )
+        if waiting_forbidden():
+            raise WouldBlock(f"ms {now} needs a new reservation")
         # The background renewal fell behind: renew now, on this id's time, and
         # never under the lock (a write to ZooKeeper may take seconds).
         self.reservation_stalls += 1

@@ -24,19 +24,24 @@ from snowflake_thrift_client._idl import (
     layout_to_thrift,
     snowflake_thrift,
 )
+from thriftpy2.protocol import TCyBinaryProtocol
 from thriftpy2.protocol.base import TProtocolBase
 from thriftpy2.thrift import TApplicationException, TMessageType, TType
+from thriftpy2.transport import TCyMemoryBuffer
 
-from .._errors import InvalidUserAgentError, RequestError
+from .._errors import InvalidUserAgentError, RequestError, WouldBlock
 from .._ids.generator import IdSource
 from .._observability.audit import AuditLog
 from .._observability.metrics import ConnectionStats, ServiceMetrics
+from .fastpath import get_id_reply
 
 __all__ = [
     "MAX_USER_AGENT_LENGTH",
     "Processor",
     "SnowflakeHandler",
     "check_user_agent",
+    "encode_error",
+    "frame",
     "service_methods",
 ]
 
@@ -94,7 +99,8 @@ class SnowflakeHandler:
         self._audit = audit
         self._labels: dict[str, str] = {}
 
-    def _label(self, agent: object) -> str:
+    def label(self, agent: object) -> str:
+        """The metrics label of ``agent``; ``InvalidUserAgentError`` if it is not valid."""
         label = self._labels.get(agent) if isinstance(agent, str) else None
         if label is None:
             label = self._metrics.agent_label(check_user_agent(agent))
@@ -112,7 +118,10 @@ class SnowflakeHandler:
         return self._clock()
 
     def get_id(self, useragent: object) -> int:
-        label = self._label(useragent)
+        return self.issue_id(self.label(useragent), useragent)
+
+    def issue_id(self, label: str, useragent: object) -> int:
+        """``get_id`` for an agent already checked and labelled by :meth:`label`."""
         id_ = self._generator.next_id()
         self._stats.count_ids(label, 1)
         if self._audit is not None:
@@ -120,7 +129,7 @@ class SnowflakeHandler:
         return id_
 
     def get_ids(self, useragent: object, count: object) -> list[int]:
-        label = self._label(useragent)
+        label = self.label(useragent)
         ids = self._generator.next_ids(count)  # type: ignore[arg-type]  # it checks
         self._stats.count_ids(label, len(ids))
         if self._audit is not None:
@@ -175,11 +184,15 @@ def service_methods() -> tuple[str, ...]:
 
 
 class Processor:
-    """Reads one call at a time from a connection and writes its reply.
+    """Serves the calls of one connection: a whole request's bytes in, its reply out.
 
-    Transport errors (the peer went away, a timeout) and undecodable bytes
-    propagate out of :meth:`process`: the connection can no longer be trusted
-    and the caller closes it.
+    :meth:`process_message` is the reference path (thriftpy2's decoder, any
+    method, any field order); :meth:`get_id_frame` answers the common ``get_id``
+    request already matched from its bytes, with exactly the bytes the reference
+    path would write. Both count, time and audit each call the same way.
+    Undecodable bytes propagate out of :meth:`process_message` (the caller closes
+    the connection); ``WouldBlock`` propagates having issued and counted nothing
+    (the caller makes the same call again on a thread that may wait).
     """
 
     def __init__(self, handler: SnowflakeHandler, stats: ConnectionStats) -> None:
@@ -187,8 +200,52 @@ class Processor:
         self._methods = {
             name: (spec, getattr(handler, name)) for name, spec in _method_specs().items()
         }
+        self._label = handler.label
+        self._issue_id = handler.issue_id
+        self._get_id_spec = self._methods["get_id"][0]
+        # Raw agent bytes -> (label, agent) for agents found valid on this connection:
+        # its next calls skip decoding and checking. Bounded as the handler's cache is.
+        self._agents: dict[bytes, tuple[str, str]] = {}
+
+    def process_message(self, message: bytes) -> bytes:
+        """The reply to the one whole binary-protocol call in ``message``, unframed."""
+        out: Any = TCyMemoryBuffer()  # thriftpy2 is untyped
+        self.process(
+            TCyBinaryProtocol(TCyMemoryBuffer(message)),  # type: ignore[no-untyped-call]
+            TCyBinaryProtocol(out),  # type: ignore[no-untyped-call]
+        )
+        return out.getvalue()  # type: ignore[no-any-return]
+
+    def get_id_frame(self, seqid: bytes, agent: bytes) -> bytes:
+        """The framed reply to ``get_id(agent)`` called with ``seqid`` (its 4 raw bytes):
+        what :meth:`process_message` would write for that request, framed."""
+        known = self._agents.get(agent)
+        if known is None:
+            try:
+                useragent: str | bytes = agent.decode()
+            except UnicodeDecodeError:
+                useragent = agent  # what thriftpy2 hands over for a string that is not UTF-8
+        else:
+            label, useragent = known
+        start = time.perf_counter()
+        try:
+            if known is None:
+                label = self._label(useragent)
+                if len(self._agents) < _AGENT_CACHE_SIZE:
+                    self._agents[agent] = (label, useragent)  # type: ignore[assignment]  # valid: a str
+            id_ = self._issue_id(label, useragent)
+        except WouldBlock:
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped exactly as the reference path maps it
+            spec = self._get_id_spec
+            mtype, reply = self._failure("get_id", spec, spec.result_cls(), e)
+            self._stats.observe("get_id", time.perf_counter() - start)
+            return frame(encode("get_id", mtype, int.from_bytes(seqid, "big", signed=True), reply))
+        self._stats.observe("get_id", time.perf_counter() - start)
+        return get_id_reply(seqid, id_)
 
     def process(self, iprot: TProtocolBase, oprot: TProtocolBase) -> None:
+        """Read one call from ``iprot`` and write its reply to ``oprot``."""
         name, mtype, seqid = iprot.read_message_begin()
         entry = self._methods.get(name)
         if entry is None or mtype != TMessageType.CALL:
@@ -218,29 +275,52 @@ class Processor:
         mtype = TMessageType.REPLY
         try:
             result.success = method(*spec.arguments(args))
-        except RequestError as e:
-            # The most specific declared base: ReservationError is an UnavailableError.
-            declared = next((spec.errors[c] for c in type(e).__mro__ if c in spec.errors), None)
-            if declared is None:
-                reply, mtype = self._internal_error(name, e), TMessageType.EXCEPTION
-            else:
-                field, idl_cls, kind = declared
-                setattr(result, field, idl_cls(message=str(e)))
-                self._stats.count_exception(kind)
+        except WouldBlock:
+            raise
         except Exception as e:  # noqa: BLE001 - any bug must still reach the client as a reply
-            reply, mtype = self._internal_error(name, e), TMessageType.EXCEPTION
+            mtype, reply = self._failure(name, spec, result, e)
         # Counted before the reply goes out: a client that scrapes right after its
         # call sees the call counted.
         self._stats.observe(name, time.perf_counter() - start)
         _write(oprot, name, mtype, seqid, reply)
 
-    def _internal_error(self, name: str, error: Exception) -> TApplicationException:
+    def _failure(
+        self, name: str, spec: _MethodSpec, result: Any, error: Exception
+    ) -> tuple[int, Any]:
+        """The reply to a call that raised ``error``: its declared exception in
+        ``result``, or an application error (INTERNAL_ERROR)."""
+        if isinstance(error, RequestError):
+            # The most specific declared base: ReservationError is an UnavailableError.
+            mro = type(error).__mro__
+            declared = next((spec.errors[c] for c in mro if c in spec.errors), None)
+            if declared is not None:
+                field, idl_cls, kind = declared
+                setattr(result, field, idl_cls(message=str(error)))
+                self._stats.count_exception(kind)
+                return TMessageType.REPLY, result
         log.exception("internal error in %s", name, exc_info=error)
         self._stats.count_exception("internal_error")
-        return TApplicationException(
+        return TMessageType.EXCEPTION, TApplicationException(
             TApplicationException.INTERNAL_ERROR,
             f"internal error in {name}: {type(error).__name__}: {error}",
         )
+
+
+def encode(name: str, mtype: int, seqid: int, payload: Any) -> bytes:
+    """One binary-protocol message, unframed, as thriftpy2 writes it."""
+    out: Any = TCyMemoryBuffer()  # thriftpy2 is untyped
+    _write(TCyBinaryProtocol(out), name, mtype, seqid, payload)  # type: ignore[no-untyped-call]
+    return out.getvalue()  # type: ignore[no-any-return]
+
+
+def encode_error(kind: int, message: str) -> bytes:
+    """An application error not tied to any call (the request could not be read), unframed."""
+    return encode("", TMessageType.EXCEPTION, 0, TApplicationException(kind, message))
+
+
+def frame(message: bytes) -> bytes:
+    """``message`` with its framed transport's 4-byte length in front."""
+    return len(message).to_bytes(4, "big") + message
 
 
 def _write(oprot: TProtocolBase, name: str, mtype: int, seqid: int, payload: Any) -> None:

@@ -1,12 +1,23 @@
-"""The server's TLS context, optionally requiring client certificates (mutual TLS)."""
+"""TLS for the Thrift server: its context (optionally requiring client certificates:
+mutual TLS), and :class:`TlsSession`, one connection's TLS over memory buffers.
+
+The session is hand-written over ``ssl.MemoryBIO`` rather than the event loop's
+own TLS (``create_server(ssl=...)`` or ``loop.start_tls``) because neither
+fits: a failed handshake never reaches the connection's protocol, so it could
+not be counted or logged as the server's other refusals are, and uvloop's
+``start_tls`` handed bytes received during the switch to the plain protocol.
+With the session the connection sees every handshake outcome, and its own
+limits (connections, idle time, frame size) apply from the first byte.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 
 from .._errors import ConfigurationError
 
-__all__ = ["server_context"]
+__all__ = ["TlsSession", "server_context"]
 
 
 def server_context(cert: str, key: str = "", client_ca: str = "") -> ssl.SSLContext:
@@ -25,3 +36,54 @@ def server_context(cert: str, key: str = "", client_ca: str = "") -> ssl.SSLCont
         except (OSError, ssl.SSLError) as e:
             raise ConfigurationError(f"--tls-client-ca {client_ca}: {e}") from None
     return context
+
+
+class TlsSession:
+    """One server-side TLS connection, bytes in and out through memory buffers.
+
+    Feed what the peer sent to :meth:`receive`; send what :meth:`receive`,
+    :meth:`encrypt` and :meth:`close` return. Raises ``ssl.SSLError`` for a
+    failed handshake or a corrupt record.
+    """
+
+    def __init__(self, context: ssl.SSLContext) -> None:
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=True)
+        self.established = False
+        self.closed_by_peer = False
+
+    def receive(self, data: bytes) -> tuple[bytes, bytes]:
+        """Take ``data`` from the peer; return (plaintext received, bytes to send back)."""
+        self._incoming.write(data)
+        if not self.established:
+            try:
+                self._tls.do_handshake()
+            except ssl.SSLWantReadError:
+                return b"", self._outgoing.read()
+            self.established = True
+        chunks = []
+        try:
+            while True:
+                chunk = self._tls.read(65536)
+                if not chunk:  # close_notify
+                    self.closed_by_peer = True
+                    break
+                chunks.append(chunk)
+        except ssl.SSLWantReadError:
+            pass
+        except ssl.SSLZeroReturnError:
+            self.closed_by_peer = True
+        return b"".join(chunks), self._outgoing.read()
+
+    def encrypt(self, plaintext: bytes) -> bytes:
+        """``plaintext`` as TLS records to send."""
+        self._tls.write(plaintext)
+        return self._outgoing.read()
+
+    def close(self) -> bytes:
+        """The close_notify alert to send, if the session got that far."""
+        if self.established:
+            with contextlib.suppress(ssl.SSLWantReadError, ssl.SSLError):
+                self._tls.unwrap()
+        return self._outgoing.read()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -22,6 +23,8 @@ from snowflake_server import (
     TimestampOverflowError,
     decompose,
 )
+from snowflake_server._errors import WouldBlock
+from snowflake_server._ids.generator import forbid_waiting, waiting_forbidden
 from tests.support.fakes import FakeClock
 from tests.support.waiting import run_in_thread
 
@@ -431,8 +434,8 @@ def test_sealed_while_reserving_stays_sealed() -> None:
     assert gen.ceiling_ms == -1, "the late reservation did not reopen it"
 
 
-def test_a_batch_may_span_a_renewal() -> None:
-    clock = FakeClock(T0)
+def _renewing(clock: FakeClock) -> tuple[IdGenerator, list[int]]:
+    """A generator whose reservation ends at T0; each renewal (recorded) adds a second."""
     reserved: list[int] = []
 
     def reserve(ms: int) -> int:
@@ -442,6 +445,12 @@ def test_a_batch_may_span_a_renewal() -> None:
     gen = IdGenerator(
         GeneratorSettings(), clock=clock, sleep=clock.sleep, ceiling_ms=T0, reserve=reserve
     )
+    return gen, reserved
+
+
+def test_a_batch_may_span_a_renewal() -> None:
+    clock = FakeClock(T0)
+    gen, reserved = _renewing(clock)
     gen.next_ids(4000)
     ids = gen.next_ids(200)  # crosses into T0 + 1, past the ceiling
     assert reserved == [T0 + 1]
@@ -474,3 +483,58 @@ def test_max_batch_sets_the_cap_up_to_one_ms_of_ids() -> None:
         narrow.next_ids(17)
     with pytest.raises(ConfigurationError, match="max_batch"):
         GeneratorSettings(max_batch=0)
+
+
+def _on_a_thread_that_must_not_wait(call: Callable[[], object]) -> object:
+    """What ``call`` returns (or raises) on a thread marked by ``forbid_waiting``."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        forbid_waiting()
+        try:
+            outcome.append(call())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(10)
+    return outcome[0]
+
+
+def test_a_thread_that_must_not_wait_gets_would_block_for_a_step_back_and_counts_nothing() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock, max_backwards_ms=5)
+    first = gen.next_id()
+    clock.now -= 3  # more than the ms a loop thread may wait in place
+    before = gen.counters()
+    assert isinstance(_on_a_thread_that_must_not_wait(gen.next_id), WouldBlock)
+    assert isinstance(_on_a_thread_that_must_not_wait(lambda: gen.next_ids(3)), WouldBlock)
+    assert gen.counters() == before and not clock.sleeps
+    # The same call on a thread that may wait: waited out, counted once.
+    assert gen.next_id() > first
+    assert gen.counters().clock_backwards_waited == 1
+
+
+def test_a_thread_that_must_not_wait_waits_out_one_ms_in_place() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock)
+    first = gen.next_id()
+    clock.now -= 1
+    second = _on_a_thread_that_must_not_wait(gen.next_id)
+    assert isinstance(second, int) and second > first
+    assert waiting_forbidden() is False  # the mark belongs to that thread only
+
+
+def test_a_thread_that_must_not_wait_never_waits_for_a_reservation() -> None:
+    clock = FakeClock(T0)
+    gen, reserved = _renewing(clock)
+    for _ in range(4096):  # all of ms T0
+        gen.next_id()
+    before = gen.counters()
+    # It waits out the exhausted ms in place, then needs a new reservation: refused,
+    # and the wait it made is not counted either (the call is made again elsewhere).
+    assert isinstance(_on_a_thread_that_must_not_wait(gen.next_id), WouldBlock)
+    assert gen.counters() == before and reserved == [] and clock() == T0 + 1
+    gen.next_id()  # on a thread that may wait: reserves
+    assert reserved == [T0 + 1] and gen.counters().reservation_stalls == 1

@@ -1,0 +1,143 @@
+"""Where one binary-protocol message ends, and whether it is well formed, found by
+reading each byte once before any decoder sees it.
+
+The buffered transport has no frames: a server learns where a call ends only by
+parsing it, and bytes arrive in pieces. :class:`MessageScanner` walks the
+message as far as the bytes received allow, keeps its place, and goes on when
+more arrive, so a call trickled in a byte at a time costs no more than one sent
+whole. On the framed transport it checks that a frame holds exactly one
+message.
+
+It also bounds what thriftpy2's decoder will do: thriftpy2 (0.7) skips an
+unknown field's container by looping over its announced count with no bytes
+behind it (one header of 2^31 elements froze a process for seconds). The
+scanner refuses a type code that does not exist, a container that announces
+more elements than bytes could follow, a nesting deeper than ``MAX_DEPTH``, and
+a message longer than the limit the moment a length announces it, before the
+bytes are received.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+__all__ = ["MAX_DEPTH", "Malformed", "MessageScanner", "TooLarge"]
+
+MAX_DEPTH = 64
+
+# Type codes of the binary protocol, and the bytes a value of each fixed-size one takes.
+_STOP, _STRING, _STRUCT, _MAP, _SET, _LIST = 0, 11, 12, 13, 14, 15
+_FIXED = {2: 1, 3: 1, 4: 8, 6: 2, 8: 4, 10: 8}  # bool, byte, double, i16, i32, i64
+_VERSION_MASK, _VERSION_1 = 0xFFFF0000, 0x80010000
+
+# What the walk yields: n > 0 asks for the next n bytes (sent back), n < 0 skips -n.
+_Walk = Generator[int, bytes, None]
+
+
+class Malformed(ValueError):
+    """The bytes are not a binary-protocol message."""
+
+
+class TooLarge(ValueError):
+    """The message is longer than the limit (announced or received)."""
+
+
+class MessageScanner:
+    """Finds the end of one message in a buffer that grows; make one per message.
+
+    ``limit``: the most bytes a message may take (``--max-frame-size``).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._walk = _message()
+        self._need = next(self._walk)
+        self._length = 0  # bytes of the message walked so far
+
+    def feed(self, buf: bytes | bytearray, start: int) -> int | None:
+        """The message's length if it is complete in ``buf`` from ``start`` on (the
+        message's first byte, the same on every call, though ``buf`` may have grown),
+        else ``None``. Raises ``Malformed`` or ``TooLarge``."""
+        available = len(buf) - start
+        while True:
+            need = self._need
+            size = need if need > 0 else -need
+            end = self._length + size
+            if end > self._limit:
+                raise TooLarge(
+                    f"request exceeds --max-frame-size {self._limit} bytes (at least {end})"
+                )
+            if end > available:
+                return None
+            at = start + self._length
+            self._length = end
+            try:
+                self._need = self._walk.send(bytes(buf[at : at + size]) if need > 0 else b"")
+            except StopIteration:
+                return end
+
+
+def _message() -> _Walk:
+    head = int.from_bytes((yield 4), "big")
+    if head & 0x80000000:
+        if head & _VERSION_MASK != _VERSION_1:
+            raise Malformed(f"bad protocol version {head >> 16:#06x} (binary protocol 0x8001)")
+        yield -_length((yield 4), "method name")
+    else:
+        yield -head  # the name of an old, non-strict message
+        yield -1  # its message type
+    yield -4  # the seqid
+    yield from _struct(1)
+
+
+def _struct(depth: int) -> _Walk:
+    if depth > MAX_DEPTH:
+        raise Malformed(f"nested deeper than {MAX_DEPTH} levels")
+    while True:
+        ttype = (yield 1)[0]
+        if ttype == _STOP:
+            return
+        yield -2  # the field id
+        yield from _value(ttype, depth)
+
+
+def _value(ttype: int, depth: int) -> _Walk:
+    fixed = _FIXED.get(ttype)
+    if fixed is not None:
+        yield -fixed
+    elif ttype == _STRING:
+        yield -_length((yield 4), "string")
+    elif ttype == _STRUCT:
+        yield from _struct(depth + 1)
+    elif ttype in (_SET, _LIST):
+        header = yield 5
+        yield from _elements((header[0],), _length(header[1:], "list"), depth)
+    elif ttype == _MAP:
+        header = yield 6
+        yield from _elements((header[0], header[1]), _length(header[2:], "map"), depth)
+    else:
+        raise Malformed(f"unknown type code {ttype}")
+
+
+def _elements(types: tuple[int, ...], count: int, depth: int) -> _Walk:
+    if count == 0:
+        return  # some writers leave an empty container's element types unset
+    for ttype in types:
+        if ttype not in _FIXED and ttype not in (_STRING, _STRUCT, _MAP, _SET, _LIST):
+            raise Malformed(f"unknown element type code {ttype}")
+    if all(t in _FIXED for t in types):
+        # Fixed-size elements: skipped in one step, so a huge count is refused at once.
+        yield -count * sum(_FIXED[t] for t in types)
+        return
+    if depth >= MAX_DEPTH:
+        raise Malformed(f"nested deeper than {MAX_DEPTH} levels")
+    for _ in range(count):
+        for ttype in types:
+            yield from _value(ttype, depth + 1)
+
+
+def _length(raw: bytes, what: str) -> int:
+    n = int.from_bytes(raw, "big", signed=True)
+    if n < 0:
+        raise Malformed(f"negative {what} length {n}")
+    return n

@@ -1,0 +1,147 @@
+"""The harness (bench/run_bench.py): the server CPU read between the load generator's
+marks, the targets' verdicts, the previous release extracted from git, a whole run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import run_bench
+from bench.loadgen import Histogram
+from bench.run_bench import Bench, Config, Plan, Run, checks, run_loadgen
+from bench.servers import (
+    BASELINE_REV,
+    ServerFailed,
+    extract_baseline,
+    start_baseline,
+    start_floor,
+)
+from tests.bench.native import assert_clean, loadgen
+
+
+def test_run_loadgen_reads_the_server_cpu_between_the_marks(
+    loadgen_binary: Path, tmp_path: Path
+) -> None:
+    floor = start_floor("floor", tmp_path)
+    try:
+        args = ["--connections", "2", "--warmup", "0.1", "--duration", "0.5"]
+        run = run_loadgen(loadgen_binary, floor, args, timeout_s=30)
+    finally:
+        floor.stop()
+    assert run.server_cpu_s is not None and run.server_cpu_s > 0
+    assert run.server_cpu_us_per_call is not None and run.server_cpu_us_per_call > 0
+    assert run.histogram.count == run.report["calls"] > 0
+    # The floor's constant id: the load generator's errors reach the run.
+    assert run.errors and any("not increasing" in e for e in run.errors), run.errors
+
+
+def _run(server: str, key: str, rate: float, *, latency_us: float = 100.0, **extra: Any) -> Run:
+    calls = int(rate)
+    report = {
+        "calls_per_s": rate, "ids_per_s": rate * extra.pop("count", 1), "calls": calls,
+        "errors": 0, "first_errors": [], "client_cpu_us_per_call": 10.0, "idle_kept": 0,
+        "connections_by_worker": {}, **extra,
+    }  # fmt: skip
+    histogram = Histogram.of([latency_us / 1e6] * calls)
+    return Run(server, key, 1, report, histogram, server_cpu_s=calls * 12e-6)
+
+
+PLAN = Plan(warmup_s=0.1, seconds=1.0, rounds=1, idle_rounds=1, server_warmup_s=0.1)
+
+
+def _verdicts(runs: list[Run], default: str = "ours-1p") -> dict[str, tuple[str, str]]:
+    bench = Bench(PLAN, Path("loadgen"), {}, {})
+    bench.runs = runs
+    return {c.target: (c.measured, c.verdict) for c in checks(bench, PLAN, default, "ours-1p")}
+
+
+def test_targets_pass_and_fail_with_their_ratios() -> None:
+    idle = Config("get_id", 4, idle=10_000).key
+    batch = Config("get_ids", 1, 4096).key
+    runs = [
+        _run("ours-1p", "get_id x4", 50_000),
+        _run("java", "get_id x4", 40_000),
+        _run("ours-1p", "get_id x16", 30_000, latency_us=1500),
+        _run("java", "get_id x16", 40_000),
+        _run("ours-1p", idle, 30_000, idle_kept=9_000),
+        _run("ours-1p", batch, 1000, count=4096),
+    ]
+    verdicts = _verdicts(runs)
+    calls = "get_id calls/s vs Java anchor, {} connections, ours, {}"
+    assert verdicts[calls.format(4, "default settings (--processes 1)")] == ("1.25 x", "PASS")
+    assert verdicts[calls.format(16, "default settings (--processes 1)")] == ("0.75 x", "FAIL")
+    assert verdicts[calls.format(16, "one process")] == ("0.75 x", "FAIL")
+    p99 = verdicts["get_id p99, 16 connections, ours (default)"]
+    assert p99[1] == "FAIL" and p99[0].startswith("1.50")
+    # The idle connections the server closed fail the target, whatever the latency.
+    [(measured, verdict)] = [v for t, v in verdicts.items() if t.startswith("active p99")]
+    assert verdict == "FAIL" and "only 9,000 idle connections stayed open" in measured
+    assert verdicts["server CPU per get_id call, 4 connections, ours (default)"] == (
+        "12.0 µs",
+        "PASS",
+    )
+    share = verdicts["get_ids(4096) ids/s, 1 connection, ours (default), of 4,096,000"]
+    assert share == ("100.0%", "PASS")
+
+
+def test_targets_of_servers_not_measured_are_not_applicable() -> None:
+    verdicts = _verdicts([_run("ours-2p", "get_id x4", 50_000)], default="ours-2p")
+    calls = "get_id calls/s vs Java anchor, 4 connections, ours, default settings (--processes 2)"
+    assert verdicts[calls] == ("-", "n/a")
+    assert verdicts["get_id p99, 16 connections, ours (default)"] == ("-", "n/a")
+
+
+def test_loadgen_args_spread_only_what_divides() -> None:
+    args = run_bench.loadgen_args(Config("get_id", 4), PLAN, spread=2)
+    assert args[args.index("--spread") + 1] == "2"
+    assert "--spread" not in run_bench.loadgen_args(Config("get_id", 1), PLAN, spread=2)
+    batch = run_bench.loadgen_args(Config("get_ids", 2, 4096, idle=10), PLAN, spread=1)
+    assert batch[batch.index("--count") + 1] == "4096" and "--idle" in batch
+
+
+@pytest.mark.slow
+def test_the_baseline_runs_from_git(loadgen_binary: Path, tmp_path: Path) -> None:
+    source = extract_baseline(BASELINE_REV, tmp_path / "baseline")
+    assert (source / "snowflake_server" / "__main__.py").is_file()
+    old = start_baseline("old", tmp_path / "logs", tmp_path / "state", source, "--worker-id", "6")
+    try:
+        outcome = loadgen(loadgen_binary, old.port, "--connections", "2")
+    finally:
+        old.stop()
+    assert assert_clean(outcome, connections=2)["connections_by_worker"] == {"0/6": 2}
+
+
+def test_an_unknown_baseline_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ServerFailed, match="git archive no-such-rev snowflake_server failed"):
+        extract_baseline("no-such-rev", tmp_path)
+
+
+@pytest.mark.slow
+def test_a_whole_run(
+    loadgen_binary: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A short run of every configuration on old alone: the report and the JSON."""
+    code = run_bench.main(
+        ["--quick", "--servers", "old", "--seconds", "0.1", "--idle", "0",
+         "--build", str(loadgen_binary.parent), "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    [folder] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    text = (folder / "results.md").read_text()
+    assert "## Targets" in text and "| 64 | old |" in text and "| 2 | old |" in text
+    report = json.loads((folder / "results.json").read_text())
+    keys = {(run["server"], run["key"]) for run in report["runs"]}
+    assert keys == {("old", f"get_id x{n}") for n in (1, 4, 16, 64)} | {
+        ("old", f"get_ids(4096) x{n}") for n in (1, 2)
+    }
+    assert all(run["errors"] == 0 and run["server_cpu_s"] is not None for run in report["runs"])
+    # Ours is not in this run; the load generator's own cost is measured on any server.
+    verdicts = {t["target"].split(",")[0]: t["verdict"] for t in report["targets"]}
+    assert verdicts.pop("load generator's client CPU per get_id call") in ("PASS", "FAIL")
+    assert set(verdicts.values()) == {"n/a"}
+    assert (folder / "logs" / "old.err").exists()
+    assert not (tmp_path / "latest.md").exists()  # quick runs leave the latest report alone
+    assert "targets:" in capsys.readouterr().out

@@ -1,0 +1,283 @@
+"""The event-loop server's connections: pipelined and split requests, floods and
+readers that never read, and calls that must wait, on the real server in this
+process."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trustme
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from snowflake_thrift_client._idl import snowflake_thrift
+from thriftpy2.protocol.binary import TBinaryProtocol
+from thriftpy2.thrift import TApplicationException, TMessageType
+
+from snowflake_server import ServerSettings
+from snowflake_server._ids.clocks import wall_clock_ms
+from snowflake_server._thrift import connection
+from snowflake_server._thrift.server import new_event_loop
+from tests.support.endpoints import encode_call
+from tests.support.inprocess import InProcessServer
+from tests.support.processes import parse_metrics
+from tests.support.waiting import run_in_thread, wait_until
+
+
+@pytest.fixture(scope="module", params=["framed", "buffered"])
+def shared(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Iterator[InProcessServer]:
+    settings_ = ServerSettings(transport=request.param)
+    with InProcessServer(settings_, tmp_path_factory.mktemp("state")) as running:
+        yield running
+
+
+def connect(server: InProcessServer) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+class _Reader:
+    """Reads replies off a socket, as a client of either transport does."""
+
+    def __init__(self, sock: socket.socket, framed: bool) -> None:
+        self._sock = sock
+        self._framed = framed
+        self._buf = b""
+
+    def read(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            chunk = self._sock.recv(65536)
+            if not chunk:
+                raise EOFError("the server closed the connection")
+            self._buf += chunk
+        data, self._buf = self._buf[:n], self._buf[n:]
+        return data
+
+    def reply(self) -> tuple[str, int, int, Any]:
+        """(method name, message type, seqid, result struct or exception) of the next reply."""
+        if self._framed:
+            self.read(4)
+        protocol: Any = TBinaryProtocol(self)  # type: ignore[no-untyped-call]
+        name, mtype, seqid = protocol.read_message_begin()
+        service = snowflake_thrift().Snowflake
+        if mtype == TMessageType.EXCEPTION:
+            result: Any = TApplicationException()
+        else:
+            result = getattr(service, f"{name}_result")()
+        result.read(protocol)
+        return name, mtype, seqid, result
+
+
+_CALLS: dict[str, dict[str, Any]] = {
+    "get_id": {"useragent": "pipelined"},
+    "get_ids": {"useragent": "pipelined", "count": 3},
+    "get_worker_id": {},
+    "get_layout": {},
+    "get_timestamp": {},
+}
+
+
+def call_bytes(method: str, seqid: int, framed: bool) -> bytes:
+    data = bytearray(encode_call(method, framed=framed, **_CALLS[method]))
+    at = 4 if framed else 0
+    # thriftpy2's client numbers calls from 0: give each its own seqid to check order
+    name_length = struct.unpack_from(">i", data, at + 4)[0]
+    struct.pack_into(">i", data, at + 8 + name_length, seqid)
+    return bytes(data)
+
+
+@given(
+    methods=st.lists(st.sampled_from(sorted(_CALLS)), min_size=1, max_size=40),
+    data=st.data(),
+)
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_pipelined_requests_split_anywhere_get_their_replies_in_order(
+    shared: InProcessServer, methods: list[str], data: st.DataObject
+) -> None:
+    framed = shared.transport == "framed"
+    stream = b"".join(call_bytes(m, seqid, framed) for seqid, m in enumerate(methods))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, len(stream) - 1), max_size=12))))
+    with connect(shared) as sock:
+        for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True):
+            sock.sendall(stream[start:end])
+        reader = _Reader(sock, framed)
+        last_id = 0
+        for seqid, method in enumerate(methods):
+            name, mtype, got_seqid, result = reader.reply()
+            assert (name, mtype, got_seqid) == (method, TMessageType.REPLY, seqid)
+            if method == "get_id":
+                assert result.success > last_id
+                last_id = result.success
+            elif method == "get_ids":
+                assert result.success[0] > last_id and len(result.success) == 3
+                last_id = result.success[-1]
+
+
+def test_a_flood_that_never_reads_is_stopped_and_others_are_served(tmp_path: Path) -> None:
+    with InProcessServer(ServerSettings(), tmp_path) as server:
+        request = call_bytes("get_id", 1, framed=True)
+        flood = connect(server)
+        flood.settimeout(0.5)
+        sent = 0
+        chunk = request * 2000  # 70 kB of calls per send
+        try:
+            while sent < 400 * 1024 * 1024:
+                sent += flood.send(chunk)
+        except TimeoutError:
+            pass  # the server stopped reading: its replies are not being read
+        # What the server took in is bounded by the kernel's socket buffers plus its
+        # own unsent replies, not by what the client has to send.
+        assert sent < 64 * 1024 * 1024
+        other = server.raw_client()
+        ids = [other.get_id("served-meanwhile") for _ in range(200)]
+        assert ids == sorted(set(ids))
+        flood.close()
+
+
+def test_a_call_that_must_wait_waits_on_a_thread_and_others_are_served(tmp_path: Path) -> None:
+    server, offset = _stepped_back_server(tmp_path)
+    with server:
+        waiting, other = server.raw_client(timeout_s=20), server.raw_client()
+        first = waiting.get_id("before")
+        offset[0] = -1500  # the clock steps back 1.5 s: the next id waits it out
+        thread, outcome = run_in_thread(lambda: waiting.get_id("waits"))
+        # Served while that call waits: the loop is not blocked by it.
+        assert other.get_worker_id() == 0 and other.get_layout().worker_id == 0
+        assert not outcome, "the waiting call returned before the others were served"
+        thread.join(20)
+        assert isinstance(outcome[0], int) and outcome[0] > first
+        metrics = parse_metrics(server.metrics())
+        assert metrics['snowflake_clock_backwards_total{action="waited"}'] == 1
+        assert metrics['snowflake_ids_by_agent_total{agent="waits"}'] == 1
+
+
+def test_without_uvloop_the_standard_loop_serves(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now raises ImportError
+    with caplog.at_level(logging.INFO, logger="snowflake_server._thrift.server"):
+        loop = new_event_loop()
+    try:
+        assert type(loop).__module__.startswith("asyncio")
+        assert "uvloop is not installed" in caplog.text
+    finally:
+        loop.close()
+
+
+def test_the_server_raises_its_own_open_file_limit_to_fit_its_connections() -> None:
+    code = (
+        "import resource\n"
+        "from snowflake_server._thrift.server import _fit_open_files\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "_fit_open_files(1000)\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    soft, hard = int(out[0]), int(out[1])
+    assert soft == (1064 if hard == -1 else min(1064, hard))  # -1: RLIM_INFINITY
+
+
+def test_the_fast_path_counts_each_agent_and_refuses_bad_ones_on_one_connection(
+    tmp_path: Path,
+) -> None:
+    with InProcessServer(ServerSettings(), tmp_path) as server:
+        client = server.raw_client()
+        agents = ["alpha", "alpha", "beta", "alpha", "bad agent", "beta", "bad agent"]
+        ids, refused = [], 0
+        for agent in agents:
+            try:
+                ids.append(client.get_id(agent))
+            except Exception as e:  # noqa: BLE001 - the declared error is what is checked
+                assert type(e).__name__ == "InvalidUserAgentError"
+                refused += 1
+        assert ids == sorted(set(ids)) and refused == 2
+        metrics = parse_metrics(server.metrics())
+        assert metrics['snowflake_ids_by_agent_total{agent="alpha"}'] == 3
+        assert metrics['snowflake_ids_by_agent_total{agent="beta"}'] == 2
+        assert metrics['snowflake_exceptions_total{kind="invalid_user_agent"}'] == 2
+        assert metrics['snowflake_request_duration_seconds_count{method="get_id"}'] == 7
+
+
+def _stepped_back_server(tmp_path: Path) -> tuple[InProcessServer, list[int]]:
+    """A server whose clock the test steps back by setting ``offset[0]`` (ms)."""
+    offset = [0]
+
+    def clock() -> int:
+        return wall_clock_ms() + offset[0]
+
+    settings_ = ServerSettings(max_backwards_ms=3000)
+    return InProcessServer(settings_, tmp_path, clock=clock), offset
+
+
+def test_a_client_gone_while_its_call_waits_still_has_its_ids_counted(tmp_path: Path) -> None:
+    server, offset = _stepped_back_server(tmp_path)
+    with server:
+        client = server.raw_client()
+        client.get_id("first")
+        offset[0] = -800
+        with connect(server) as sock:
+            sock.sendall(call_bytes("get_ids", 1, framed=True))  # generic path, must wait
+            # Gone before its reply: the call still finishes on its thread.
+        ids = server.raw_client(timeout_s=20).get_ids("after", 2)  # waits its turn too
+
+        def counted() -> bool:
+            metrics = parse_metrics(server.metrics())
+            return bool(
+                metrics['snowflake_ids_by_agent_total{agent="pipelined"}'] == 3
+                and metrics["snowflake_connections_open"] == 2  # the gone one is closed
+            )
+
+        assert len(ids) == 2
+        wait_until(counted, "the gone client's ids counted and its connection closed")
+
+
+def test_a_stop_during_a_waiting_call_lets_it_finish(tmp_path: Path) -> None:
+    server, offset = _stepped_back_server(tmp_path)
+    server.start()
+    try:
+        client = server.raw_client(timeout_s=20)
+        first = client.get_id("first")
+        offset[0] = -500
+        thread, outcome = run_in_thread(lambda: client.get_id("in-flight"))
+        server.node.request_stop()  # during the call's wait on its thread
+        thread.join(20)
+        assert isinstance(outcome[0], int) and outcome[0] > first
+    finally:
+        server.stop()
+
+
+def test_tls_close_notify_and_a_silent_handshake(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca = trustme.CA()
+    pem = tmp_path / "server.pem"
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(pem))
+    monkeypatch.setattr(connection, "HANDSHAKE_TIMEOUT_S", 0.2)
+    with InProcessServer(ServerSettings(tls_cert=str(pem)), tmp_path / "state") as server:
+        context = ssl.create_default_context()
+        ca.configure_trust(context)
+        with connect(server) as silent:  # never says hello: closed when its time is up
+            assert silent.recv(1) == b""
+        raw = connect(server)
+        tls = context.wrap_socket(raw, server_hostname="127.0.0.1")
+        tls.sendall(call_bytes("get_worker_id", 1, framed=True))
+        assert _Reader(tls, framed=True).reply()[:3] == ("get_worker_id", TMessageType.REPLY, 1)
+        plain = tls.unwrap()  # close_notify: the server closes its side too
+        assert plain.recv(1) == b""
+        plain.close()
+        tls.close()
+        assert parse_metrics(server.metrics())['snowflake_exceptions_total{kind="tls_error"}'] == 0
