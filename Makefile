@@ -14,14 +14,15 @@ GO_THRIFT ?= /usr/share/gocode/src/github.com/apache/thrift
 # clients/node/package-lock.json), a JDK with Debian's libthrift-java, and Go with
 # Debian's golang-thrift-dev: nothing from Maven Central or the Go module proxy.
 # The benchmark builds its Java and Go anchors with the same, and its load generator
-# with the C compiler.
+# with the C compiler and libc's headers (gcc without its recommends has none).
+C_TOOLCHAIN := cc:gcc /usr/include/arpa/inet.h:libc6-dev
 THRIFT_TOOLCHAINS := thrift:thrift-compiler \
 	javac:default-jdk-headless /usr/share/java/thrift.jar:libthrift-java \
 	/usr/share/java/slf4j-nop.jar:libslf4j-java \
 	go:golang-go $(GO_THRIFT)/lib/go/thrift/transport.go:golang-thrift-dev
 TEST_TOOLS := promtool:prometheus faketime:faketime /usr/share/java/zookeeper.jar:zookeeper \
-	node:nodejs npm:npm cc:gcc $(THRIFT_TOOLCHAINS)
-BENCH_TOOLS := cc:gcc $(THRIFT_TOOLCHAINS)
+	node:nodejs npm:npm $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS)
+BENCH_TOOLS := $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS)
 
 # make stubs: client code generated from the IDL by the Apache Thrift compiler into
 # $(CLIENTS)/<language>/gen-*, never committed (the IDL is the single source of truth).

@@ -257,7 +257,8 @@ class IdGenerator:
     def next_id(self) -> int:
         """One new id. Raises ``ClockMovedBackwardsError`` or ``TimestampOverflowError``."""
         # Bound acquire/release in try/finally: measurably cheaper than `with` per id.
-        self._acquire()
+        if not self._acquire(False):
+            self._acquire_contended()
         try:
             # The common case inline: same ms, sequence left. Everything else,
             # the clock checks first of all, is in _advance.
@@ -285,20 +286,33 @@ class IdGenerator:
                 f"{self._batch_limit_reason}"
             )
         ids: list[int] = []
-        with self._lock:
-            try:
-                while len(ids) < count:
-                    self._advance(self._clock())
-                    first = self._sequence
-                    last = min(first + count - len(ids), self._max_sequence + 1) - 1
-                    # Ids of one ms differ only in the sequence field: a contiguous range.
-                    base = self._base
-                    ids.extend(range(base + first, base + last + 1))
-                    self._sequence = last
-            except BaseException:
-                self._ids_before_this_ms -= len(ids)  # claimed but never handed out
-                raise
+        if not self._acquire(False):
+            self._acquire_contended()
+        try:
+            waits = (self.sequence_exhausted_waits, self.clock_backwards_waited)
+            while len(ids) < count:
+                self._advance(self._clock())
+                first = self._sequence
+                last = min(first + count - len(ids), self._max_sequence + 1) - 1
+                # Ids of one ms differ only in the sequence field: a contiguous range.
+                base = self._base
+                ids.extend(range(base + first, base + last + 1))
+                self._sequence = last
+        except BaseException as e:
+            self._ids_before_this_ms -= len(ids)  # claimed but never handed out
+            if isinstance(e, WouldBlock):  # made again elsewhere: its waits count there
+                self.sequence_exhausted_waits, self.clock_backwards_waited = waits
+            raise
+        finally:
+            self._release()
         return ids
+
+    def _acquire_contended(self) -> None:
+        """Take the lock another call holds: wait for it, unless this thread must not
+        wait (that call may be sleeping out a clock step under the lock)."""
+        if waiting_forbidden():
+            raise WouldBlock("another call holds the generator")
+        self._acquire()
 
     @property
     def ids_generated(self) -> int:

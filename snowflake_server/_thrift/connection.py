@@ -40,6 +40,7 @@ __all__ = ["Connection", "Shared"]
 log = logging.getLogger("snowflake_server._thrift.server")
 
 _BATCH = 32  # requests served per turn of the loop before the other connections' turn
+_BATCH_BYTES = 64 * 1024  # or this many bytes of requests, whichever comes first
 _WRITE_HIGH = 64 * 1024  # unsent reply bytes at which a connection stops being read
 _IDLE_CHECKS = 4  # looks per idle timeout
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -160,7 +161,7 @@ class Connection(asyncio.Protocol):
             return  # refused or closed: what it still sends is not read
         if self._tls is not None:
             data = self._decrypt(self._tls, data)
-            if not data:
+            if self._closing or not (data or self._draining):
                 return
         self._buf += data
         self._serve()
@@ -178,7 +179,11 @@ class Connection(asyncio.Protocol):
         self._serve()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._stats is not None and not self._closing and self._buf:
+        tls = self._tls
+        if self._stats is not None and not self._closing and tls and tls.mid_handshake:
+            self._stats.count_exception("tls_error")
+            log.info("closing connection from %s: it hung up during its TLS handshake", self._peer)
+        elif self._stats is not None and not self._closing and self._buf:
             self._stats.count_exception("protocol_error")
             log.info("closing connection from %s: it hung up in the middle of a call", self._peer)
         elif exc is not None:
@@ -196,7 +201,7 @@ class Connection(asyncio.Protocol):
                 end = self._request_end(buf, pos)
                 if end is None:
                     break
-                if served == _BATCH and not self._draining:
+                if (served == _BATCH or pos >= _BATCH_BYTES) and not self._draining:
                     self._next_turn()
                     break
                 request = bytes(buf[pos:end])
@@ -291,6 +296,9 @@ class Connection(asyncio.Protocol):
         if self._lost:
             self._finish()  # now that the call's counts are all in its stats
             return
+        if isinstance(error, _Refused):
+            self._refuse(error)
+            return
         if future.cancelled() or error is not None:
             # Cancelled: the server stopped before the call ran. An error: a bug, the
             # request having decoded once already. Either way this client gets no reply.
@@ -365,7 +373,9 @@ class Connection(asyncio.Protocol):
             self._handshake_timer.cancel()
             self._handshake_timer = None
         if tls.closed_by_peer:
-            self._close()
+            # Serve what came before the close_notify, then close (as the server's stop does).
+            self._draining = True
+            self._fast = False
         return plaintext
 
     def _write_encrypted(self, plaintext: bytes) -> None:
@@ -412,7 +422,13 @@ class Connection(asyncio.Protocol):
             if self._quiet_checks >= _IDLE_CHECKS:
                 timeout = self._shared.idle_timeout
                 log.debug("closing connection from %s: idle for %g s", self._peer, timeout)
-                self._close()
+                transport = self._transport
+                if not self._writable or (transport and transport.get_write_buffer_size()):
+                    # Replies it does not read would hold the close (and the slot) forever.
+                    self._closing = True
+                    self.abort()
+                else:
+                    self._close()
                 return
         self._idle_timer = self._shared.loop.call_later(
             self._shared.idle_timeout / _IDLE_CHECKS, self._check_idle

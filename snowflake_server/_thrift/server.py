@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 _REJECT_LOG_EVERY_S = 10.0
 _WAIT_THREADS = 4  # calls that must wait (clock stepped back, reservation) run on these
 _SPARE_FDS = 64  # files besides client connections: listener, logs, state, ZooKeeper
+_AFTER_ABORT_S = 1.0
 
 
 def listen_socket(
@@ -168,6 +169,14 @@ class ThriftServer:
         self, loop: asyncio.AbstractEventLoop, listener: socket.socket, grace_s: float
     ) -> None:
         forbid_waiting()  # generator calls that must wait go to the executor's threads
+        try:
+            await self._serve_until_stopped(loop, listener, grace_s)
+        finally:
+            forbid_waiting(False)
+
+    async def _serve_until_stopped(
+        self, loop: asyncio.AbstractEventLoop, listener: socket.socket, grace_s: float
+    ) -> None:
         settings = self._settings
         executor = ThreadPoolExecutor(_WAIT_THREADS, thread_name_prefix="snowflake-wait")
         all_closed = asyncio.Event()
@@ -199,20 +208,24 @@ class ThriftServer:
             executor.shutdown(wait=False, cancel_futures=True)
 
     async def _drain(self, shared: Shared, all_closed: asyncio.Event, grace_s: float) -> None:
-        connections = list(shared.connections)
-        if not connections:
+        if not shared.connections:
             return
-        for connection in connections:
+        all_closed.clear()  # set whenever the last connection went, long before now
+        for connection in list(shared.connections):
             connection.drain()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(all_closed.wait(), grace_s)
         left = list(shared.connections)
-        if left:
-            log.warning(
-                "%d connection(s) still busy after %.1f s; exiting anyway", len(left), grace_s
-            )
-            for connection in left:
-                connection.abort()
+        if not left:
+            return
+        log.warning("%d connection(s) still busy after %.1f s; exiting anyway", len(left), grace_s)
+        for connection in left:
+            connection.abort()
+        # A call still running on a worker thread holds its connection until it has
+        # counted (and audited) its ids: give it a moment, so that the generator is not
+        # sealed under it.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(all_closed.wait(), _AFTER_ABORT_S)
 
     def _admit(self, shared: Shared, connection: Connection) -> bool:
         if len(shared.connections) < self._settings.max_connections:

@@ -52,9 +52,16 @@ class TlsSession:
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=True)
         self.established = False
         self.closed_by_peer = False
+        self._received = False
+
+    @property
+    def mid_handshake(self) -> bool:
+        """Whether the peer began a handshake that has not completed."""
+        return self._received and not self.established
 
     def receive(self, data: bytes) -> tuple[bytes, bytes]:
         """Take ``data`` from the peer; return (plaintext received, bytes to send back)."""
+        self._received = True
         self._incoming.write(data)
         if not self.established:
             try:

@@ -4,12 +4,14 @@ process."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import ssl
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,11 +154,17 @@ def test_a_call_that_must_wait_waits_on_a_thread_and_others_are_served(tmp_path:
         first = waiting.get_id("before")
         offset[0] = -1500  # the clock steps back 1.5 s: the next id waits it out
         thread, outcome = run_in_thread(lambda: waiting.get_id("waits"))
-        # Served while that call waits: the loop is not blocked by it.
+        # Another get_id meets the generator held by the waiting call: it waits on a
+        # thread of its own, not on the loop.
+        queued = server.raw_client(timeout_s=20)
+        queued_thread, queued_outcome = run_in_thread(lambda: queued.get_id("queued"))
+        # Served while those calls wait: the loop is blocked by neither.
         assert other.get_worker_id() == 0 and other.get_layout().worker_id == 0
         assert not outcome, "the waiting call returned before the others were served"
         thread.join(20)
+        queued_thread.join(20)
         assert isinstance(outcome[0], int) and outcome[0] > first
+        assert isinstance(queued_outcome[0], int) and queued_outcome[0] != outcome[0]
         metrics = parse_metrics(server.metrics())
         assert metrics['snowflake_clock_backwards_total{action="waited"}'] == 1
         assert metrics['snowflake_ids_by_agent_total{agent="waits"}'] == 1
@@ -212,11 +220,16 @@ def test_the_fast_path_counts_each_agent_and_refuses_bad_ones_on_one_connection(
         assert metrics['snowflake_request_duration_seconds_count{method="get_id"}'] == 7
 
 
-def _stepped_back_server(tmp_path: Path) -> tuple[InProcessServer, list[int]]:
-    """A server whose clock the test steps back by setting ``offset[0]`` (ms)."""
+def _stepped_back_server(
+    tmp_path: Path, read_behind: threading.Event | None = None
+) -> tuple[InProcessServer, list[int]]:
+    """A server whose clock the test steps back by setting ``offset[0]`` (ms);
+    ``read_behind`` is set once the server reads the clock stepped back."""
     offset = [0]
 
     def clock() -> int:
+        if offset[0] < 0 and read_behind is not None:
+            read_behind.set()
         return wall_clock_ms() + offset[0]
 
     settings_ = ServerSettings(max_backwards_ms=3000)
@@ -246,13 +259,17 @@ def test_a_client_gone_while_its_call_waits_still_has_its_ids_counted(tmp_path: 
 
 
 def test_a_stop_during_a_waiting_call_lets_it_finish(tmp_path: Path) -> None:
-    server, offset = _stepped_back_server(tmp_path)
+    read_behind = threading.Event()
+    server, offset = _stepped_back_server(tmp_path, read_behind)
     server.start()
     try:
+        server.raw_client().get_worker_id()
+        server.close_clients()  # a connection came and went before: the stop must still wait
         client = server.raw_client(timeout_s=20)
         first = client.get_id("first")
         offset[0] = -500
         thread, outcome = run_in_thread(lambda: client.get_id("in-flight"))
+        assert read_behind.wait(10), "the call reached the server"
         server.node.request_stop()  # during the call's wait on its thread
         thread.join(20)
         assert isinstance(outcome[0], int) and outcome[0] > first
@@ -281,3 +298,18 @@ def test_tls_close_notify_and_a_silent_handshake(
         plain.close()
         tls.close()
         assert parse_metrics(server.metrics())['snowflake_exceptions_total{kind="tls_error"}'] == 0
+
+
+def test_an_idle_client_that_never_reads_its_replies_is_cut_off(tmp_path: Path) -> None:
+    with InProcessServer(ServerSettings(idle_timeout=0.3), tmp_path) as server:
+        with connect(server) as flood:
+            flood.settimeout(0.5)
+            with contextlib.suppress(TimeoutError, ConnectionResetError, BrokenPipeError):
+                while True:  # until the server stops reading: its replies are not read
+                    flood.send(call_bytes("get_id", 1, framed=True) * 2000)
+            # Quiet now, with replies unsent: closed for good, not left waiting to flush.
+            wait_until(
+                lambda: parse_metrics(server.metrics())["snowflake_connections_open"] == 0,
+                "the stuck connection closed",
+            )
+        assert server.raw_client().get_id("next") > 0

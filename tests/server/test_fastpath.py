@@ -72,8 +72,9 @@ def _both_paths(request: bytes, source_kind: str) -> None:
         return
     fast, fast_stats = _processor(source_kind)
     generic, generic_stats = _processor(source_kind)
-    assert fast.get_id_frame(*call) == frame(generic.process_message(request[4:]))
-    assert _snapshot(fast_stats) == _snapshot(generic_stats)
+    for _ in range(2):  # the second call finds the agent in the fast path's cache
+        assert fast.get_id_frame(*call) == frame(generic.process_message(request[4:]))
+        assert _snapshot(fast_stats) == _snapshot(generic_stats)
 
 
 agents = st.one_of(

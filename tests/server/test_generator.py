@@ -516,6 +516,17 @@ def test_a_thread_that_must_not_wait_gets_would_block_for_a_step_back_and_counts
     assert gen.counters().clock_backwards_waited == 1
 
 
+def test_a_thread_that_must_not_wait_never_waits_for_the_lock() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock)
+    gen.next_id()
+    before = gen.counters()
+    with gen._lock:  # held by a call that sleeps out a clock step on another thread
+        assert isinstance(_on_a_thread_that_must_not_wait(gen.next_id), WouldBlock)
+        assert isinstance(_on_a_thread_that_must_not_wait(lambda: gen.next_ids(2)), WouldBlock)
+    assert gen.counters() == before
+
+
 def test_a_thread_that_must_not_wait_waits_out_one_ms_in_place() -> None:
     clock = FakeClock(T0)
     gen = make(clock)
