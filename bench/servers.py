@@ -236,7 +236,10 @@ def extract_baseline(rev: str, dest: Path) -> Path:
         )
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(done.stdout)) as archive:
-        archive.extractall(dest, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            archive.extractall(dest, filter="data")
+        else:  # Python before 3.11.4 (Debian 12 has 3.11.2): this repository's own archive
+            archive.extractall(dest)
     dest = dest.resolve()  # compared with the path Python reports
     probe = subprocess.run(
         [sys.executable, "-c", "import snowflake_server; print(snowflake_server.__file__)"],

@@ -298,6 +298,19 @@ def test_tls_close_notify_and_a_silent_handshake(
         plain.close()
         tls.close()
         assert parse_metrics(server.metrics())['snowflake_exceptions_total{kind="tls_error"}'] == 0
+        # A client that starts its handshake and hangs up in the middle of it.
+        hello = ssl.MemoryBIO()
+        client = context.wrap_bio(ssl.MemoryBIO(), hello, server_hostname="127.0.0.1")
+        with contextlib.suppress(ssl.SSLWantReadError):
+            client.do_handshake()
+        with connect(server) as cut:
+            cut.sendall(hello.read()[:20])
+        wait_until(
+            lambda: (
+                parse_metrics(server.metrics())['snowflake_exceptions_total{kind="tls_error"}'] == 1
+            ),
+            "the cut handshake counted",
+        )
 
 
 def test_an_idle_client_that_never_reads_its_replies_is_cut_off(tmp_path: Path) -> None:
