@@ -308,19 +308,20 @@ def test_a_recycled_worker_id_resumes_above_the_old_mark(
     finally:
         zk.stop()
         zk.close()
-    # Another host (its own state dir), whose clock is 4 s behind, more than the
-    # session takes to expire: without the mark kept in ZooKeeper it would stamp ids
-    # with times the dead node already used.
+    # Another host (its own state dir), whose clock is 7 s behind, more than the
+    # session takes to expire and the new node to start: without the mark kept in
+    # ZooKeeper it would stamp ids with times the dead node already used.
     behind = FakeTime(tmp_path)
-    behind.set("-4")
+    behind.set("-7")
     second = start("--worker-id", "auto", env=behind.env, timeout_s=40)
     assert second.raw_client().get_worker_id() == 0, "the lowest free id: the dead node's"
     with Load([second]) as load:
         wait_until(lambda: load.count() > 5000, "load", 20)
     assert min(load.ids) > max(old_ids), "every id above every id of the previous holder"
     assert load.duplicates() == 0 and len(set(load.ids) & set(old_ids)) == 0
-    # It waited for its clock to pass the dead node's mark: 4 s behind, less the time
-    # the expiry took (a busy machine makes that longer, the wait shorter).
+    # It waited for its clock to pass the dead node's mark: 7 s behind plus the mark's
+    # 1 s ahead, less the time from the kill to this start (about 5 s; a busy machine
+    # makes it longer, the wait shorter), within --max-startup-wait's 10 s.
     assert metric(second, "snowflake_startup_clock_wait_seconds") > 0.5
 
 
