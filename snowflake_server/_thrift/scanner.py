@@ -28,6 +28,7 @@ MAX_DEPTH = 64
 # Type codes of the binary protocol, and the bytes a value of each fixed-size one takes.
 _STOP, _STRING, _STRUCT, _MAP, _SET, _LIST = 0, 11, 12, 13, 14, 15
 _FIXED = {2: 1, 3: 1, 4: 8, 6: 2, 8: 4, 10: 8}  # bool, byte, double, i16, i32, i64
+_KNOWN = {*_FIXED, _STRING, _STRUCT, _MAP, _SET, _LIST}
 _VERSION_MASK, _VERSION_1 = 0xFFFF0000, 0x80010000
 
 # What the walk yields: n > 0 asks for the next n bytes (sent back), n < 0 skips -n.
@@ -97,11 +98,14 @@ def _struct(depth: int) -> _Walk:
         ttype = (yield 1)[0]
         if ttype == _STOP:
             return
+        if ttype not in _KNOWN:
+            raise Malformed(f"unknown type code {ttype}")
         yield -2  # the field id
         yield from _value(ttype, depth)
 
 
 def _value(ttype: int, depth: int) -> _Walk:
+    """One value of ``ttype``, a type code already checked to be in ``_KNOWN``."""
     fixed = _FIXED.get(ttype)
     if fixed is not None:
         yield -fixed
@@ -109,21 +113,19 @@ def _value(ttype: int, depth: int) -> _Walk:
         yield -_length((yield 4), "string")
     elif ttype == _STRUCT:
         yield from _struct(depth + 1)
-    elif ttype in (_SET, _LIST):
-        header = yield 5
-        yield from _elements((header[0],), _length(header[1:], "list"), depth)
     elif ttype == _MAP:
         header = yield 6
         yield from _elements((header[0], header[1]), _length(header[2:], "map"), depth)
-    else:
-        raise Malformed(f"unknown type code {ttype}")
+    else:  # a set or a list
+        header = yield 5
+        yield from _elements((header[0],), _length(header[1:], "list"), depth)
 
 
 def _elements(types: tuple[int, ...], count: int, depth: int) -> _Walk:
     if count == 0:
         return  # some writers leave an empty container's element types unset
     for ttype in types:
-        if ttype not in _FIXED and ttype not in (_STRING, _STRUCT, _MAP, _SET, _LIST):
+        if ttype not in _KNOWN:
             raise Malformed(f"unknown element type code {ttype}")
     if all(t in _FIXED for t in types):
         # Fixed-size elements: skipped in one step, so a huge count is refused at once.

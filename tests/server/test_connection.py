@@ -4,6 +4,7 @@ process."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +26,15 @@ from snowflake_thrift_client._idl import snowflake_thrift
 from thriftpy2.protocol.binary import TBinaryProtocol
 from thriftpy2.thrift import TApplicationException, TMessageType
 
-from snowflake_server import ServerSettings
+from snowflake_server import GeneratorSettings, IdGenerator, ServerSettings
 from snowflake_server._ids.clocks import wall_clock_ms
+from snowflake_server._observability.metrics import ServiceMetrics
 from snowflake_server._thrift import connection
+from snowflake_server._thrift.connection import Shared
+from snowflake_server._thrift.handler import Processor, SnowflakeHandler, service_methods
 from snowflake_server._thrift.server import new_event_loop
 from tests.support.endpoints import encode_call
+from tests.support.fakes import FakeTransport
 from tests.support.inprocess import InProcessServer
 from tests.support.processes import parse_metrics
 from tests.support.waiting import run_in_thread, wait_until
@@ -54,6 +60,9 @@ class _Reader:
         self._sock = sock
         self._framed = framed
         self._buf = b""
+
+    def pending(self) -> bool:
+        return bool(self._buf)
 
     def read(self, n: int) -> bytes:
         while len(self._buf) < n:
@@ -326,3 +335,174 @@ def test_an_idle_client_that_never_reads_its_replies_is_cut_off(tmp_path: Path) 
                 "the stuck connection closed",
             )
         assert server.raw_client().get_id("next") > 0
+
+
+# -- the connection's states, driven event by event --------------------------------------
+# The transport is a fake: each test hands the protocol the events a loop would (data,
+# pause, resume, a worker thread's outcome, the idle timer) in an order that a real
+# socket produces only by chance.
+
+
+class _Driven:
+    """A Connection on a fake transport, its loop never run: events are called by hand."""
+
+    def __init__(self, tmp_path: Path, *, framed: bool = True, idle: float = 0.0) -> None:
+        self.loop = new_event_loop()
+        generator = IdGenerator(GeneratorSettings())
+        metrics = ServiceMetrics(generator, service_methods(), max_agents=8)
+        self.metrics = metrics
+        self.shared = Shared(
+            loop=self.loop,
+            make_processor=lambda stats: Processor(
+                SnowflakeHandler(generator, metrics, stats, wall_clock_ms), stats
+            ),
+            metrics=metrics,
+            executor=ThreadPoolExecutor(1),
+            framed=framed,
+            max_frame_size=65536,
+            idle_timeout=idle,
+            tls=None,
+            admit=self._admit,
+        )
+        self.transport = FakeTransport()
+        self.connection = connection.Connection(self.shared)
+        self.connection.connection_made(self.transport)  # type: ignore[arg-type]
+
+    def _admit(self, conn: connection.Connection) -> bool:
+        self.shared.connections.add(conn)
+        return True
+
+    def replies(self) -> list[tuple[str, int, int, Any]]:
+        data = b"".join(self.transport.written)
+        self.transport.written.clear()
+        reader = _Reader(_Bytes(data), self.shared.framed)  # type: ignore[arg-type]
+        out = []
+        while reader.pending() or data:
+            data = b""
+            out.append(reader.reply())
+        return out
+
+    def close(self) -> None:
+        self.shared.executor.shutdown()
+        self.loop.close()
+
+
+class _Bytes:
+    """recv() over fixed bytes, for _Reader."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def recv(self, n: int) -> bytes:
+        chunk, self._data = self._data[:n], self._data[n:]
+        return chunk
+
+
+@pytest.fixture
+def driven(tmp_path: Path) -> Iterator[_Driven]:
+    made = _Driven(tmp_path)
+    yield made
+    made.close()
+
+
+def test_a_paused_writer_is_served_again_when_it_resumes(driven: _Driven) -> None:
+    conn, transport = driven.connection, driven.transport
+    conn.pause_writing()
+    assert not transport.reading
+    conn.data_received(call_bytes("get_worker_id", 1, framed=True))
+    assert transport.written == []  # kept until its replies drain
+    conn.resume_writing()
+    assert [r[:3] for r in driven.replies()] == [("get_worker_id", TMessageType.REPLY, 1)]
+    assert transport.reading
+
+
+def test_more_than_a_turn_of_requests_waits_for_the_next_turn(driven: _Driven) -> None:
+    conn, transport = driven.connection, driven.transport
+    conn.data_received(call_bytes("get_timestamp", 7, framed=True) * 40)
+    assert len(driven.replies()) == 32 and not transport.reading  # the others' turn now
+    driven.loop.run_until_complete(asyncio.sleep(0))  # the loop gives it its next turn
+    assert len(driven.replies()) == 8 and transport.reading
+
+
+def test_idle_checks_close_a_quiet_connection_and_abort_one_with_unread_replies(
+    tmp_path: Path,
+) -> None:
+    for unread in (0, 100):
+        made = _Driven(tmp_path, idle=60)
+        try:
+            made.transport.buffered = unread
+            conn = made.connection
+            conn.data_received(call_bytes("get_worker_id", 1, framed=True))
+            conn._check_idle()  # it read since the last look
+            for _ in range(3):
+                conn._check_idle()
+                assert not made.transport.closed
+            conn._check_idle()  # a whole timeout without a read
+            assert made.transport.closed and made.transport.aborted == bool(unread)
+        finally:
+            made.close()
+
+
+def test_a_worker_threads_outcomes(driven: _Driven) -> None:
+    conn, transport = driven.connection, driven.transport
+    cancelled = driven.loop.create_future()
+    cancelled.cancel()
+    conn._busy = True
+    conn._after_thread(cancelled)  # the server stopped before the call ran: closed
+    assert transport.closed and driven.replies() == []
+
+
+def test_a_worker_threads_refusal_is_sent_before_the_close(tmp_path: Path) -> None:
+    made = _Driven(tmp_path)
+    try:
+        refused = made.loop.create_future()
+        refused.set_exception(connection._Refused("protocol_error", "undecodable request: x"))
+        made.connection._busy = True
+        made.connection._after_thread(refused)
+        (reply,) = made.replies()
+        assert reply[1] == TMessageType.EXCEPTION and "undecodable" in reply[3].message
+        assert made.transport.closed
+        failed = made.loop.create_future()
+        failed.set_exception(RuntimeError("a bug"))
+        other = _Driven(tmp_path)
+        try:
+            other.connection._busy = True
+            other.connection._after_thread(failed)
+            assert other.transport.closed and other.replies() == []
+        finally:
+            other.close()
+    finally:
+        made.close()
+
+
+def test_gone_while_busy_is_finished_after_the_thread(driven: _Driven) -> None:
+    conn = driven.connection
+    conn._busy = True
+    conn.connection_lost(ConnectionResetError("reset"))
+    assert conn in driven.shared.connections  # its call still counts on a thread
+    done = driven.loop.create_future()
+    done.set_result(b"never sent")
+    conn._after_thread(done)
+    assert conn not in driven.shared.connections and driven.transport.written == []
+
+
+def test_a_drain_serves_what_was_received_then_closes(driven: _Driven) -> None:
+    conn, transport = driven.connection, driven.transport
+    conn.pause_writing()
+    conn.data_received(call_bytes("get_worker_id", 3, framed=True) * 2)
+    conn.drain()
+    assert [r[2] for r in driven.replies()] == [3, 3] and transport.closed
+    conn.drain()  # again: nothing more
+    conn.data_received(b"after the close")  # not read
+    assert transport.written == []
+
+
+def test_malformed_buffered_bytes_are_refused_with_a_reply(tmp_path: Path) -> None:
+    made = _Driven(tmp_path, framed=False)
+    try:
+        made.connection.data_received(b"\x80\x01\x00\x01\x00\x00\x00\x01x\x00\x00\x00\x01\x63")
+        (reply,) = made.replies()
+        assert reply[1] == TMessageType.EXCEPTION and "unknown type code 99" in reply[3].message
+        assert made.transport.closed
+    finally:
+        made.close()
