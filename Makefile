@@ -20,7 +20,7 @@ THRIFT_TOOLCHAINS := thrift:thrift-compiler \
 	javac:default-jdk-headless /usr/share/java/thrift.jar:libthrift-java \
 	/usr/share/java/slf4j-nop.jar:libslf4j-java \
 	go:golang-go $(GO_THRIFT)/lib/go/thrift/transport.go:golang-thrift-dev
-TEST_TOOLS := promtool:prometheus faketime:faketime /usr/share/java/zookeeper.jar:zookeeper \
+TEST_TOOLS := faketime:faketime /usr/share/java/zookeeper.jar:zookeeper \
 	node:nodejs npm:npm $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS)
 BENCH_TOOLS := $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS)
 
@@ -31,6 +31,7 @@ IDL       := idl/snowflake.thrift
 CLIENTS   ?= clients
 
 .PHONY: install system-deps stubs node-deps run check test test-fast coverage bench clean soak \
+	prometheus-tools \
 	bench-deps bench-build bench-loadgen bench-anchors
 
 install: $(VENV)/.installed
@@ -101,10 +102,26 @@ PYTEST_WORKERS ?= 2
 
 # The servers the tests start in their own processes are measured too ([run] patch =
 # subprocess in pyproject.toml). pytest's exit code 5 (no tests ran) fails like any other.
-test: install system-deps node-deps check
+test: install system-deps node-deps prometheus-tools check
 	rm -f .coverage .coverage.*
-	$(BIN)/coverage run -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+	PATH="$(abspath $(PROMETHEUS_BIN)):$$PATH" \
+	  $(BIN)/coverage run -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 	$(MAKE) --no-print-directory coverage
+
+# promtool (and prometheus) from Debian's package, unpacked into $(TOOLS) rather than
+# installed: installing it enables prometheus.service, a daemon on 0.0.0.0:9090 that
+# `make test` must not leave behind. The tests find them first on PATH.
+TOOLS          ?= .tools
+PROMETHEUS_BIN := $(TOOLS)/prometheus/usr/bin
+prometheus-tools: $(PROMETHEUS_BIN)/promtool
+
+$(PROMETHEUS_BIN)/promtool:
+	@mkdir -p $(TOOLS)/download
+	cd $(TOOLS)/download && { apt-get download -q prometheus 2>/dev/null || \
+	  { $(SUDO) apt-get update -qq && apt-get download -q prometheus; }; }
+	dpkg-deb -x $(TOOLS)/download/prometheus_*.deb $(TOOLS)/prometheus
+	rm -rf $(TOOLS)/download
+	@test -x $@
 
 coverage:
 	$(BIN)/coverage combine -q
@@ -115,8 +132,9 @@ coverage:
 	    $(BIN)/coverage report -m --include=$$module; exit 1; }; \
 	done; echo "every safety module is at or above $(SAFETY_FLOOR)% branch coverage"
 
-test-fast: install
-	$(BIN)/pytest -n $(PYTEST_WORKERS) -m "not zookeeper and not interop and not slow"
+test-fast: install prometheus-tools
+	PATH="$(abspath $(PROMETHEUS_BIN)):$$PATH" \
+	  $(BIN)/pytest -n $(PYTEST_WORKERS) -m "not zookeeper and not interop and not slow"
 
 # The benchmark harness (about 7 minutes; BENCH_ARGS=--quick for a smoke run of about
 # a minute): results in bench/results/<time>/ and bench/results/latest.md. It installs
@@ -176,4 +194,4 @@ clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build *.egg-info \
 	  .coverage .coverage.* clients/python/build clients/python/*.egg-info \
 	  clients/*/gen-* clients/go/thrift-debian clients/go/bin clients/java/build \
-	  clients/node/node_modules bench/build
+	  clients/node/node_modules bench/build $(TOOLS)

@@ -143,7 +143,7 @@ def test_scraped_metrics_match_the_calls_made(transport: Transport) -> None:
 def test_promtool_accepts_the_exposition(server: InProcessServer) -> None:
     server.raw_client().get_id("lint")
     promtool = shutil.which("promtool")
-    assert promtool, "promtool (Debian package prometheus) is installed by `make test`"
+    assert promtool, "promtool (from Debian's prometheus package) is unpacked by `make test`"
     checked = subprocess.run(
         [promtool, "check", "metrics"], input=server.metrics(), capture_output=True, text=True
     )
