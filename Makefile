@@ -78,8 +78,9 @@ clients/node/node_modules/.package-lock.json: clients/node/package.json clients/
 	cd clients/node && npm ci --no-audit --no-fund
 	touch $@
 
+# By its absolute path, so that the process is recognisable in a process listing.
 run: install
-	$(BIN)/snowflake-server
+	$(abspath $(BIN))/snowflake-server
 
 check: install
 	$(BIN)/ruff check .
