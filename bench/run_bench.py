@@ -102,6 +102,11 @@ class Plan:
     idle: int = 10_000
     idle_active: int = 4
 
+    @property
+    def connections_needed(self) -> int:
+        """Connections the idle measurement opens, plus a margin for the rest of a process."""
+        return self.idle + self.idle_active + 64
+
 
 FULL = Plan(warmup_s=0.5, seconds=3.0, rounds=3, idle_rounds=2, server_warmup_s=2.0)
 QUICK = Plan(warmup_s=0.2, seconds=0.5, rounds=1, idle_rounds=1, server_warmup_s=0.5)
@@ -757,7 +762,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ours_selected = bool(args.selected & {"ours", "ours-1p", "ours-2p"})
     default_processes, default_max_connections = ours_defaults() if ours_selected else (1, 0)
     default, one = f"ours-{default_processes}p", "ours-1p"
-    idle_note = raise_file_limit(plan.idle + plan.idle_active + 64) if plan.idle else "skipped"
+    idle_note = raise_file_limit(plan.connections_needed) if plan.idle else "skipped"
 
     started = time.monotonic()
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
@@ -855,7 +860,7 @@ def idle_phase(
     its default process count) and the anchors, of the servers running. Ours runs anew
     with a connection limit above the idle connections when its default is below them;
     what it ran with is returned."""
-    needed = plan.idle + plan.idle_active + 64
+    needed = plan.connections_needed
     names = [name for name in (default, JAVA, GO) if name in bench.servers]
     config = Config("get_id", plan.idle_active, idle=plan.idle)
     print(f"idle: {plan.idle:,} idle connections", flush=True)

@@ -42,6 +42,7 @@ from .._config.settings import ClusterSettings
 from .._errors import StartupRefused
 from .._ids.clocks import boot_clock, pause
 from .._state.reservation import MarkStore
+from .._state.statefile import layout_to_json
 from .._state.worker import Worker, WorkerSlot
 from .peers import check_peers
 from .zkmarks import (
@@ -50,7 +51,6 @@ from .zkmarks import (
     ZkMarkStore,
     describe_layout,
     layout_from_json,
-    layout_to_json,
     session_id,
     zk_call,
 )
@@ -257,7 +257,7 @@ class Cluster(Collector):
                 "the same ids: stop that node, wait for its session to expire, or use another "
                 "--worker-id (or auto)"
             )
-        max_id = self._settings.max_worker_id
+        max_id = self._layout.max_worker_id
         order = [w for w in range(max_id + 1) if w not in skipped]
         if preferred is not None and preferred in order:  # the id we had, if still free
             order.remove(preferred)
@@ -281,9 +281,13 @@ class Cluster(Collector):
             self._call(f"registering {path}", "create", path, data, ephemeral=True)
             return True
         except NodeExistsError:
-            stat = self._call(f"reading {path}", "exists", path)
-            ours = session_id(self._client, f"registering {path}")
-            return stat is not None and stat.ephemeralOwner == ours
+            return self._owned(path, f"registering {path}")
+
+    def _owned(self, path: str, doing: str) -> bool:
+        """Whether ``path`` exists and is an ephemeral node of our session."""
+        stat = self._call(f"reading {path}", "exists", path)
+        ours = session_id(self._client, doing)
+        return stat is not None and stat.ephemeralOwner == ours
 
     def _holder(self, path: str) -> str:
         try:
@@ -371,11 +375,9 @@ class Cluster(Collector):
     def _register_again(self) -> None:
         old = self._slot.retire()
         previous = old.worker_id if old is not None else None
-        if self._node is not None:
-            stat = self._call(f"reading {self._node}", "exists", self._node)
-            ours = session_id(self._client, f"registering again after {self._node}")
-            if stat is not None and stat.ephemeralOwner == ours:
-                self._delete(self._node)  # ours; a node someone else holds is not ours to delete
+        node = self._node
+        if node is not None and self._owned(node, f"registering again after {node}"):
+            self._delete(node)  # ours; a node someone else holds is not ours to delete
         self._node = None
         self._register(preferred=previous, patient=False)
         log.warning("registered again as worker %d", self._slot.settings.worker_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from kazoo.exceptions import (
@@ -26,6 +27,7 @@ from snowflake_thrift_client import Layout
 from .._errors import ConfigurationError, ReservationError, StartupRefused
 from .._ids.clocks import pause
 from .._state.reservation import MarkStore
+from .._state.statefile import LAYOUT_FIELDS, layout_to_json
 
 __all__ = [
     "ZK_MARK_AHEAD_MS",
@@ -33,7 +35,6 @@ __all__ = [
     "ZkMarkStore",
     "describe_layout",
     "layout_from_json",
-    "layout_to_json",
     "session_id",
     "zk_call",
 ]
@@ -42,17 +43,11 @@ ZK_MARK_AHEAD_MS = 2000
 """How far ahead of the clock the mark in ZooKeeper is reserved (rounded up to whole
 seconds, so it is written about once a second)."""
 _OP_TIMEOUT_S = 2.0
-_LAYOUT_FIELDS = ("epoch_ms", "timestamp_bits", "datacenter_id_bits", "worker_id_bits",
-                  "sequence_bits")  # fmt: skip
-
-
-def layout_to_json(layout: Layout) -> dict[str, int]:
-    return {name: int(getattr(layout, name)) for name in _LAYOUT_FIELDS}
 
 
 def layout_from_json(value: object) -> Layout:
     """The layout of a JSON object; ``ValueError`` if it is not one."""
-    if not isinstance(value, dict) or set(value) != set(_LAYOUT_FIELDS):
+    if not isinstance(value, dict) or set(value) != set(LAYOUT_FIELDS):
         raise ValueError(f"not a layout: {value!r}")
     try:
         return Layout(**value)
@@ -230,12 +225,11 @@ def _parse_mark(path: str, data: bytes, ours: Layout) -> int:
             "against repeating ids of a recycled worker id: repair it by hand"
         ) from None
     if recorded != ours:
-        widths = ("timestamp_bits", "datacenter_id_bits", "worker_id_bits", "sequence_bits")
         raise MarkOfAnotherLayout(
             f"the high-water mark {path} was recorded under another layout "
             f"({describe_layout(recorded)}) than ours ({describe_layout(ours)}); ids of one "
             "worker id under two layouts can collide: use the layout the cluster was "
             "started with (--epoch and the --*-bits flags)",
-            epoch_only=all(getattr(recorded, w) == getattr(ours, w) for w in widths),
+            epoch_only=replace(recorded, epoch_ms=ours.epoch_ms) == ours,
         )
     return mark

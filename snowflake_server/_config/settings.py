@@ -73,7 +73,6 @@ class ClusterSettings:
     zk_path: str
     datacenter_id: int
     worker_id: int  # AUTO_WORKER_ID: lease the lowest free one
-    max_worker_id: int
     layout: Layout
     transport: Transport
     host: str
@@ -221,8 +220,7 @@ class ServerSettings:
 
     @property
     def cluster(self) -> ClusterSettings:
-        layout = self.layout
-        return self._view(ClusterSettings, max_worker_id=layout.max_worker_id, layout=layout)
+        return self._view(ClusterSettings)
 
     @property
     def thrift(self) -> ThriftSettings:

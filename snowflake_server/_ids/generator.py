@@ -236,8 +236,12 @@ class IdGenerator:
     def raise_ceiling(self, ceiling_ms: int) -> None:
         """Allow ids up to ``ceiling_ms`` (already persisted by the caller). Never lowers."""
         with self._lock:
-            if self._reserve is not None and ceiling_ms > self._ceiling:
-                self._ceiling = min(ceiling_ms, self._max_ts)
+            self._raise_ceiling_locked(ceiling_ms)
+
+    def _raise_ceiling_locked(self, ceiling_ms: int) -> None:
+        # Sealed: stay sealed. Already higher: never lower. Caller holds the lock.
+        if self._reserve is not None and ceiling_ms > self._ceiling:
+            self._ceiling = min(ceiling_ms, self._max_ts)
 
     def seal(self) -> int:
         """Stop issuing ids for good; return the newest timestamp used.
@@ -414,6 +418,4 @@ class IdGenerator:
             self._acquire()
         if ceiling < now:
             raise ReservationError(f"reserve({now}) returned {ceiling}, before the ms asked for")
-        # Sealed meanwhile: stay sealed. Raised meanwhile: never lower.
-        if self._reserve is not None and ceiling > self._ceiling:
-            self._ceiling = min(ceiling, self._max_ts)
+        self._raise_ceiling_locked(ceiling)  # sealed or raised meanwhile: kept so

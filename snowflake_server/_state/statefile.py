@@ -32,7 +32,7 @@ from snowflake_thrift_client import Layout
 from .._errors import StartupRefused
 from .reservation import MarkStore
 
-__all__ = ["LAYOUT_FIELDS", "STATE_FORMAT", "StateFile", "default_state_dir"]
+__all__ = ["LAYOUT_FIELDS", "STATE_FORMAT", "StateFile", "default_state_dir", "layout_to_json"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,13 @@ _UNVERSIONED_LAYOUT = 1  # 0.1.0's format: no layout recorded
 
 LAYOUT_FIELDS = ("epoch_ms", "timestamp_bits", "datacenter_id_bits", "worker_id_bits",
                  "sequence_bits")  # fmt: skip
-"""What the state file records of the layout, by ``Layout``'s field names."""
+"""What the state file (and a mark in ZooKeeper) records of the layout, by ``Layout``'s
+field names."""
+
+
+def layout_to_json(layout: Layout) -> dict[str, int]:
+    """The layout as the state file and ZooKeeper marks record it."""
+    return {name: int(getattr(layout, name)) for name in LAYOUT_FIELDS}
 
 
 def _describe(layout: dict[str, Any]) -> str:
@@ -68,7 +74,7 @@ class StateFile(MarkStore):
         self.path = path
         self._lock_fd = lock_fd
         self._identity = identity
-        self._layout = {name: int(getattr(layout, name)) for name in LAYOUT_FIELDS}
+        self._layout = layout_to_json(layout)
 
     @classmethod
     def open(

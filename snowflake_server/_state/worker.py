@@ -11,6 +11,7 @@ re-registers under another id.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -69,13 +70,11 @@ class Worker:
         mode): the mark of a worker id recycled from another host.
         """
         dc = settings.datacenter_id
-        host_lock = HostLock.acquire(dc, worker_id, settings.host_lock_scope)
-        try:
+        with contextlib.ExitStack() as undo:  # what is taken is given back if opening fails
+            host_lock = HostLock.acquire(dc, worker_id, settings.host_lock_scope)
+            undo.callback(host_lock.release)
             state = StateFile.open(Path(settings.state_dir), dc, worker_id, settings.layout)
-        except BaseException:
-            host_lock.release()
-            raise
-        try:
+            undo.callback(state.close)
             marks = {state.where: state.load(discard_corrupt=settings.discard_corrupt_state)}
             stores: list[tuple[MarkStore, int]] = [(state, RESERVE_AHEAD_MS)]
             if remote is not None:
@@ -104,10 +103,7 @@ class Worker:
                 )
             generator.raise_ceiling(reservation.reserve(clock()))
             reservation.start(generator)
-        except BaseException:
-            state.close()
-            host_lock.release()
-            raise
+            undo.pop_all()
         # The final mark is at least the resume point; after a first start with no id
         # issued that is 0, not -1: no store takes a negative mark back.
         return cls(generator, reservation, state, max(resume_after, 0), host_lock)

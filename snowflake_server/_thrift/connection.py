@@ -81,7 +81,7 @@ class Connection(asyncio.Protocol):
         self._limit = shared.max_frame_size
         self._transport: asyncio.Transport | None = None
         self._tls: TlsSession | None = None
-        self._write: Callable[[bytes], object] = self._unconnected
+        self._write: Callable[[bytes], object]  # set by connection_made
         self._handshake_timer: asyncio.TimerHandle | None = None
         self._buf = bytearray()
         self._scanner: MessageScanner | None = None  # buffered: the message coming in
@@ -101,7 +101,7 @@ class Connection(asyncio.Protocol):
         self._idle_timer: asyncio.TimerHandle | None = None
         # The fast path applies: framed, plain, admitted, nothing buffered or waiting.
         self._fast = False
-        self._get_id_frame: Callable[[bytes, bytes], bytes] = self._unconnected_call
+        self._get_id_frame: Callable[[bytes, bytes], bytes]  # set by connection_made
         self._last_head = self._last_tail = self._last_agent = b"\xff"  # no request matches
 
     # -- asyncio.Protocol ---------------------------------------------------------
@@ -123,9 +123,7 @@ class Connection(asyncio.Protocol):
         self._processor = shared.make_processor(stats)
         self._get_id_frame = self._processor.get_id_frame
         if shared.idle_timeout:
-            self._idle_timer = shared.loop.call_later(
-                shared.idle_timeout / _IDLE_CHECKS, self._check_idle
-            )
+            self._schedule_idle_check()
         if shared.tls is not None:
             self._tls = TlsSession(shared.tls)
             self._write = self._write_encrypted
@@ -171,7 +169,7 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._writable = False
-        self._fast = False
+        self._update_fast()
         self._update_reading()
 
     def resume_writing(self) -> None:
@@ -344,7 +342,7 @@ class Connection(asyncio.Protocol):
         if self._closing:
             return
         self._closing = True
-        self._fast = False
+        self._update_fast()
         transport = self._transport
         if transport is None:
             return
@@ -363,9 +361,7 @@ class Connection(asyncio.Protocol):
             assert self._stats is not None
             self._stats.count_exception("tls_error")
             log.info("closing connection from %s: TLS: %s", self._peer, e)
-            self._transport.write(tls.close())  # the alert saying why, if any
-            self._closing = True
-            self._transport.close()
+            self._close()  # after the alert saying why, if any
             return b""
         if to_send:
             self._transport.write(to_send)
@@ -375,20 +371,12 @@ class Connection(asyncio.Protocol):
         if tls.closed_by_peer:
             # Serve what came before the close_notify, then close (as the server's stop does).
             self._draining = True
-            self._fast = False
+            self._update_fast()
         return plaintext
 
     def _write_encrypted(self, plaintext: bytes) -> None:
         assert self._tls is not None and self._transport is not None
         self._transport.write(self._tls.encrypt(plaintext))
-
-    @staticmethod
-    def _unconnected(_data: bytes) -> None:
-        raise RuntimeError("write before connection_made")
-
-    @staticmethod
-    def _unconnected_call(_seqid: bytes, _agent: bytes) -> bytes:
-        raise RuntimeError("a call before connection_made")
 
     def _update_fast(self) -> None:
         self._fast = (
@@ -405,8 +393,7 @@ class Connection(asyncio.Protocol):
             self._peer, HANDSHAKE_TIMEOUT_S,
         )  # fmt: skip
         self._closing = True
-        if self._transport is not None:
-            self._transport.abort()
+        self.abort()
 
     def _check_idle(self) -> None:
         # A flag per read and a look every quarter of the timeout: no clock read per
@@ -430,8 +417,12 @@ class Connection(asyncio.Protocol):
                 else:
                     self._close()
                 return
-        self._idle_timer = self._shared.loop.call_later(
-            self._shared.idle_timeout / _IDLE_CHECKS, self._check_idle
+        self._schedule_idle_check()
+
+    def _schedule_idle_check(self) -> None:
+        shared = self._shared
+        self._idle_timer = shared.loop.call_later(
+            shared.idle_timeout / _IDLE_CHECKS, self._check_idle
         )
 
     def drain(self) -> None:
@@ -440,7 +431,7 @@ class Connection(asyncio.Protocol):
         if self._finished or self._closing:
             return
         self._draining = True
-        self._fast = False
+        self._update_fast()
         if self._transport is not None and self._reading:
             self._reading = False
             self._transport.pause_reading()
