@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import ssl
@@ -26,7 +27,7 @@ from snowflake_thrift_client._idl import snowflake_thrift
 from thriftpy2.protocol.binary import TBinaryProtocol
 from thriftpy2.thrift import TApplicationException, TMessageType
 
-from snowflake_server import GeneratorSettings, IdGenerator, ServerSettings
+from snowflake_server import GeneratorSettings, IdGenerator, ServerSettings, decompose
 from snowflake_server._ids.clocks import wall_clock_ms
 from snowflake_server._observability.metrics import ServiceMetrics
 from snowflake_server._thrift import connection
@@ -506,3 +507,29 @@ def test_malformed_buffered_bytes_are_refused_with_a_reply(tmp_path: Path) -> No
         assert made.transport.closed
     finally:
         made.close()
+
+
+def test_a_call_still_waiting_past_the_grace_is_cut_off_and_issues_nothing_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    read_behind = threading.Event()
+    server, offset = _stepped_back_server(tmp_path, read_behind)
+    server.start()
+    client = server.raw_client(timeout_s=20)
+    first = client.get_id("first")
+    offset[0] = -2900  # longer than the stop's grace (1.5 s) and the 1 s after it
+    thread, outcome = run_in_thread(lambda: client.get_id("too-late"))
+    assert read_behind.wait(10), "the call reached the server"
+    with caplog.at_level(logging.WARNING, logger="snowflake_server._thrift.server"):
+        server.stop()
+    thread.join(20)
+    assert "still busy after 1.5 s" in caplog.text
+    assert not isinstance(outcome[0], int), outcome  # cut off without its reply
+    # The seal waited for the call's id (made under the generator's lock), so the final
+    # mark covers it: a restart cannot repeat it.
+    generator: Any = server.node.mode.source if server.node.mode is not None else None
+    assert generator.counters().ids_generated == 2
+    newest_ms = generator.seal()
+    (state,) = tmp_path.glob("worker-*.json")
+    assert json.loads(state.read_text())["high_water_mark_ms"] >= newest_ms
+    assert newest_ms >= decompose(first).timestamp_ms
