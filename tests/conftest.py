@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +29,25 @@ def zookeeper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeper]:
     zk.start()
     yield zk
     zk.stop()
+
+
+@pytest.fixture
+def own_zk(tmp_path: Path) -> Iterator[ZooKeeper]:
+    """A ZooKeeper this test may stop, restart or wipe."""
+    zk = ZooKeeper(tmp_path / "zk")
+    zk.start()
+    yield zk
+    zk.stop()
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
+    """A datagram socket standing in for systemd, and the NOTIFY_SOCKET naming it."""
+    path = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        sock.settimeout(15)
+        yield sock, str(path)
 
 
 @pytest.fixture

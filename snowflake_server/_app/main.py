@@ -2,8 +2,10 @@
 
 Flags, environment and config file become settings (``_config``); one process
 is a :class:`~snowflake_server._app.node.Node` served by ``serve``, several
-are run by the ``Supervisor``. SIGTERM or SIGINT: stop accepting, let calls
-in flight finish, write the exact final marks, delete the registration, exit 0.
+are run by the ``Supervisor``. SIGTERM or SIGINT: report not ready, serve on
+for ``--drain-seconds``, then stop accepting, let calls in flight finish, write
+the exact final marks, delete the registration, exit 0. SIGHUP: reload the TLS
+files, reopen the audit trail and the log file.
 
 Exit codes: 0 after a signal, 2 for bad settings or a port in use, 3 when
 starting could repeat ids (clock far behind the mark, unusable state file,
@@ -12,13 +14,13 @@ worker held by another process).
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from collections.abc import Sequence
 
 from .._config.options import load_settings
 from .._errors import ConfigurationError, StartupRefused
+from .._observability.logs import configure_logging
 from .node import serve
 from .supervisor import Supervisor, die_with_supervisor
 
@@ -32,16 +34,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigurationError as e:
         print(f"snowflake-server: error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
     try:
+        log_file = configure_logging(settings.logging)
         if settings.processes > 1:
-            return Supervisor(settings).run()
+            return Supervisor(settings, log_file).run()
         die_with_supervisor(os.environ)
-        return serve(settings)
+        return serve(settings, log_file)
     except ConfigurationError as e:
         print(f"snowflake-server: error: {e}", file=sys.stderr)
         return 2

@@ -1,42 +1,52 @@
 """The composition root: one server process's parts, built from its settings.
 
 :class:`Node` reads as its life: :meth:`~Node.start` (open the id source for
-the mode, bind the Thrift port, register in the cluster, open the admin
-endpoint), :meth:`~Node.run` (serve until asked to stop), :meth:`~Node.close`
-(everything in reverse: stop serving, final marks, deregister). One builder
-per mode, :func:`standalone` and :func:`clustered`, returns the id source,
-its metrics collectors and its health. :func:`serve` adds the signals and the
-ready line; tests run a ``Node`` in a thread instead.
+the mode, bind the Thrift port without listening, open the admin endpoint,
+register in the cluster, then listen: a connection attempt is refused until
+the node can serve), :meth:`~Node.run` (serve until asked to stop),
+:meth:`~Node.drain` (not ready at once, stop after ``--drain-seconds``),
+:meth:`~Node.close` (everything in reverse: stop serving, final marks,
+deregister). One builder per mode, :func:`standalone` and :func:`clustered`,
+returns the id source, its metrics collectors and why it cannot serve.
+:func:`serve` adds the signals, the ready line and systemd's notifications;
+tests run a ``Node`` in a thread instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
-from collections.abc import Callable
+import ssl
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import KazooException
 from kazoo.handlers.threading import KazooTimeoutError
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from .._cluster.membership import Cluster, advertised_address
 from .._config.settings import ServerSettings
-from .._errors import StartupRefused
+from .._errors import ConfigurationError, StartupRefused
 from .._ids.clocks import wall_clock_ms
 from .._ids.generator import IdSource
-from .._observability.admin import AdminServer, Health
+from .._observability.admin import AdminServer
 from .._observability.audit import AuditLog
+from .._observability.logs import LogFile
 from .._observability.metrics import ConnectionStats, ServiceMetrics
+from .._observability.probes import Check, Liveness, Readiness
 from .._state.reservation import MarkStore
 from .._state.worker import CurrentReservation, Worker, WorkerSlot
 from .._thrift.handler import Processor, SnowflakeHandler, service_methods
 from .._thrift.server import ThriftServer
 from .._thrift.tls import server_context
 from .._version import __version__
+from .notify import Notifier
 from .ready import ready_line
 
 __all__ = ["Mode", "Node", "clustered", "serve", "standalone"]
@@ -54,7 +64,10 @@ class Mode:
 
     source: IdSource
     collectors: list[Collector]
-    health: Health
+    unavailable: Check
+    """Why a call would fail now (None: it would succeed)."""
+    details: Callable[[], dict[str, object]] = dict
+    """What the probes add about the mode (the ZooKeeper session, the registration)."""
     join: Callable[[int, Defer], None] = lambda _port, _defer: None
     """Called once the Thrift port is bound (peers must be able to dial us), with the
     port and a way to defer a close to shutdown, before the Thrift server's close."""
@@ -64,7 +77,11 @@ def standalone(settings: ServerSettings, clock: Callable[[], int], defer: Defer)
     """One worker, its id configured: lock its state, honour its mark, serve."""
     worker = Worker.open(settings.worker, settings.worker_id, clock=clock)
     defer(worker.close)  # the first close registered: it runs last
-    return Mode(source=worker.generator, collectors=[worker.reservation], health=lambda: (True, {}))
+    return Mode(
+        source=worker.generator,
+        collectors=[worker.reservation],
+        unavailable=worker.unavailable_reason,
+    )
 
 
 def clustered(
@@ -73,7 +90,9 @@ def clustered(
     """A worker id leased from ZooKeeper once the port is bound, served while the
     session is proven (see ``Cluster``)."""
     slot = WorkerSlot(settings.ids)
-    mode = Mode(source=slot, collectors=[CurrentReservation(slot)], health=lambda: (False, {}))
+    mode = Mode(
+        source=slot, collectors=[CurrentReservation(slot)], unavailable=slot.unavailable_reason
+    )
 
     def open_worker(worker_id: int, remote: tuple[MarkStore, int]) -> Worker:
         return Worker.open(settings.worker, worker_id, clock=clock, remote=remote)
@@ -87,6 +106,7 @@ def clustered(
             open_worker=open_worker,
             client_factory=client_factory,
         )
+        mode.details = cluster.details
         cluster.connect()
         # Closed before the Thrift server and the audit trail, as the worker is: calls
         # still in flight then meet a sealed generator, not an id nobody audits.
@@ -99,14 +119,14 @@ def clustered(
                 f"ZooKeeper failed during start-up: {type(e).__name__}: {e}; start again"
             ) from None
         mode.collectors.append(cluster)
-        mode.health = cluster.health
 
     mode.join = join
     return mode
 
 
 class Node:
-    """One server process: ``start()``, ``run()`` until ``request_stop()``, ``close()``.
+    """One server process: ``start()``, ``run()`` until ``drain()`` or ``request_stop()``,
+    ``close()``.
 
     ``clock`` is the wall clock ids are stamped with; ``zk_client_factory``
     makes ZooKeeper clients in cluster mode.
@@ -124,14 +144,17 @@ class Node:
         self._zk_client_factory = zk_client_factory
         self._cleanup = contextlib.ExitStack()
         self._server: ThriftServer | None = None
+        self._audit: AuditLog | None = None
         self.mode: Mode | None = None
+        self.readiness = Readiness()
+        self.liveness = Liveness()
         self.thrift_address = ("", 0)
         self.admin_address = ("", 0)
 
     def start(self) -> None:
         """Build and open everything; on failure close what was opened and raise
         (``ConfigurationError``: bad settings or a port in use; ``StartupRefused``:
-        starting could repeat ids)."""
+        starting could repeat ids). On return the node serves: its port listens."""
         try:
             self._start()
         except BaseException:
@@ -140,14 +163,19 @@ class Node:
 
     def _start(self) -> None:
         mode = self._open_mode()
+        self.readiness.add_check(mode.unavailable)
         metrics = ServiceMetrics(
             mode.source, service_methods(), max_agents=self.settings.admin.max_agents
         )
-        audit = self._open_audit(mode)
-        self._server = self._open_thrift(mode, metrics, audit)
+        self._audit = self._open_audit(mode)
+        self._server = self._open_thrift(mode, metrics, self._audit)
+        # Bound, to fail early on a port in use and to be dialled by peers once
+        # registered; not listening, so that nobody takes us for ready meanwhile.
         self.thrift_address = self._server.bind()
-        mode.join(self.thrift_address[1], self._cleanup.callback)  # peers can dial us now
         self.admin_address = self._open_admin(mode, metrics)
+        mode.join(self.thrift_address[1], self._cleanup.callback)
+        self._server.listen()
+        self.readiness.serving()
 
     def _open_mode(self) -> Mode:
         settings = self.settings
@@ -171,74 +199,155 @@ class Node:
     def _open_thrift(
         self, mode: Mode, metrics: ServiceMetrics, audit: AuditLog | None
     ) -> ThriftServer:
-        thrift = self.settings.thrift
-        tls = (
-            server_context(thrift.tls_cert, thrift.tls_key, thrift.tls_client_ca)
-            if thrift.tls_cert
-            else None
-        )
         source, clock = mode.source, self._clock
 
         def make_processor(stats: ConnectionStats) -> Processor:
             return Processor(SnowflakeHandler(source, metrics, stats, clock, audit), stats)
 
-        server = ThriftServer(make_processor, metrics, thrift, tls=tls)
+        server = ThriftServer(
+            make_processor,
+            metrics,
+            self.settings.thrift,
+            tls=self._tls_context(),
+            heartbeat=self.liveness.beat,
+        )
         self._cleanup.callback(server.close)
         return server
 
-    def _open_admin(self, mode: Mode, metrics: ServiceMetrics) -> tuple[str, int]:
-        source = mode.source
+    def _tls_context(self) -> ssl.SSLContext | None:
+        thrift = self.settings.thrift
+        if not thrift.tls_cert:
+            return None
+        return server_context(thrift.tls_cert, thrift.tls_key, thrift.tls_client_ca)
 
-        def report() -> tuple[bool, dict[str, object]]:
-            healthy, details = mode.health()
-            ids = source.settings
-            return healthy, {
+    def _open_admin(self, mode: Mode, metrics: ServiceMetrics) -> tuple[str, int]:
+        def ready() -> tuple[str | None, dict[str, object]]:
+            ids = mode.source.settings
+            return self.readiness.reason(), {
+                "phase": self.readiness.phase.value,
                 "worker_id": ids.worker_id,
                 "datacenter_id": ids.datacenter_id,
                 "version": __version__,
-                **details,
+                **mode.details(),
             }
 
-        admin = AdminServer(metrics.registry(*mode.collectors), report, self.settings.admin)
+        # The collectors list is read at each scrape: the cluster's joins it later.
+        registry = metrics.registry(_Each(mode.collectors), self.readiness)
+        admin = AdminServer(registry, self.settings.admin, ready=ready, live=self.liveness.reason)
         admin.start()
         self._cleanup.callback(admin.stop)
         return admin.address
 
     def run(self) -> None:
-        """Serve until :meth:`request_stop`; calls in flight finish first."""
+        """Serve until :meth:`drain` or :meth:`request_stop`; calls in flight finish first."""
         assert self._server is not None, "start() first"
-        self._server.serve_forever()
+        try:
+            self._server.serve_forever()
+        finally:
+            self.liveness.rest()
+
+    def drain(self) -> None:
+        """Stop gracefully (SIGTERM): not ready at once, serving on for
+        ``--drain-seconds``, then as :meth:`request_stop`. Safe from any thread."""
+        self.readiness.draining()
+        if self._server is not None:
+            self._server.request_shutdown(after_s=self.settings.drain_seconds)
 
     def request_stop(self) -> None:
-        """Ask :meth:`run` to return. Safe from a signal handler or any thread."""
+        """Ask :meth:`run` to return now. Safe from a signal handler or any thread."""
+        self.readiness.draining()
         if self._server is not None:
             self._server.request_shutdown()
 
+    def reload(self) -> None:
+        """SIGHUP: new connections get the TLS certificate, key and client CA as the
+        files now hold them (a file that does not load keeps the old ones, and the log
+        says why); the audit trail goes to a fresh open of its file."""
+        if self._server is not None and self.settings.thrift.tls_cert:
+            try:
+                context = self._tls_context()
+            except ConfigurationError as e:
+                log.error("SIGHUP: keeping the TLS certificate in use: %s", e)
+            else:
+                assert context is not None
+                self._server.set_tls(context)
+                log.info("SIGHUP: new connections use the reloaded TLS certificate")
+        if self._audit is not None and self._audit.reopen():
+            log.info("SIGHUP: reopened the audit log %s", self._audit.path)
+
     def close(self) -> None:
         """Stop everything started, in reverse: the exact final marks are written."""
+        self.readiness.stopped()
         self._cleanup.close()
 
 
-def serve(settings: ServerSettings) -> int:
-    """Run a server with ``settings`` until SIGTERM/SIGINT; return the exit code."""
+class _Each(Collector):
+    """The metrics of whatever collectors a list holds at scrape time."""
+
+    def __init__(self, collectors: list[Collector]) -> None:
+        self._collectors = collectors
+
+    def collect(self) -> Iterable[Metric]:
+        for collector in list(self._collectors):
+            yield from collector.collect()
+
+
+def serve(settings: ServerSettings, log_file: LogFile | None = None) -> int:
+    """Run a server with ``settings`` until SIGTERM/SIGINT; return the exit code.
+
+    The first SIGTERM or SIGINT drains (see :meth:`Node.drain`), a second one
+    stops at once; SIGHUP reloads (:meth:`Node.reload`) and reopens ``log_file``.
+    """
+    notifier = Notifier(os.environ)
     node = Node(settings)
     node.start()
     try:
+        draining = threading.Event()
 
-        def on_signal(signum: int, _frame: object) -> None:
-            log.info("received %s: finishing calls in flight", signal.Signals(signum).name)
-            node.request_stop()
+        def on_stop(signum: int, _frame: object) -> None:
+            name = signal.Signals(signum).name
+            if draining.is_set():
+                log.info("received %s again: stopping now", name)
+                node.request_stop()
+                return
+            draining.set()
+            log.info(
+                "received %s: not ready from now; serving %g s more, then finishing the "
+                "calls in flight", name, settings.drain_seconds,
+                extra={"signal": name, "drain_seconds": settings.drain_seconds},
+            )  # fmt: skip
+            notifier.stopping(f"draining for {settings.drain_seconds:g} s")
+            node.drain()
 
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        def on_reload(_signum: int, _frame: object) -> None:
+            # Off the signal handler: reopening takes locks the interrupted code may hold.
+            threading.Thread(target=reload, name="sighup", daemon=True).start()
+
+        def reload() -> None:
+            notifier.reloading()
+            if log_file is not None:
+                log_file.reopen()
+            node.reload()
+            notifier.reloaded("serving")
+
+        signal.signal(signal.SIGTERM, on_stop)
+        signal.signal(signal.SIGINT, on_stop)
+        signal.signal(signal.SIGHUP, on_reload)
         ids = node.mode.source.settings if node.mode is not None else settings.ids
         log.info(
             "serving %s/binary on %s:%d (datacenter %d, worker %d); metrics on "
             "http://%s:%d/metrics",
             settings.transport, *node.thrift_address, ids.datacenter_id, ids.worker_id,
             *node.admin_address,
+            extra={
+                "thrift": "{}:{}".format(*node.thrift_address),
+                "admin": "{}:{}".format(*node.admin_address),
+                "datacenter_id": ids.datacenter_id,
+                "worker_id": ids.worker_id,
+            },
         )  # fmt: skip
         print(ready_line(node.thrift_address, node.admin_address), flush=True)
+        notifier.ready(f"serving datacenter {ids.datacenter_id} worker {ids.worker_id}")
         node.run()
     finally:
         node.close()

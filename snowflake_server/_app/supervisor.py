@@ -7,13 +7,15 @@ spreads connections over them), each with its own worker id (consecutive from
 ``--worker-id``, or leased from ZooKeeper with ``auto``) and therefore its own
 generator, state file and lock: nothing is shared between them. The
 supervisor serves the metrics of all children on the one metrics port (each
-sample labelled ``process``), answers ``/health`` for all of them, restarts a
-child that dies, and passes SIGTERM/SIGINT on.
+sample labelled ``process``), answers ``/readyz`` for all of them (ready when
+every child is), restarts a child that dies, and passes SIGTERM, SIGINT and
+SIGHUP on (each child drains, or reloads, on its own).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import selectors
@@ -35,7 +37,10 @@ from .._config.options import OPTIONS
 from .._config.settings import ServerSettings
 from .._errors import ConfigurationError, StartupRefused
 from .._observability.admin import AdminServer
+from .._observability.logs import LogFile
+from .._observability.probes import Readiness
 from .._thrift.server import listen_socket
+from .notify import NOTIFY_SOCKET_ENV, Notifier
 from .ready import parse_ready_line, ready_line
 
 __all__ = ["SUPERVISOR_PID_ENV", "Supervisor", "child_argv", "die_with_supervisor"]
@@ -95,8 +100,10 @@ class _Child:
 
     def start(self) -> None:
         command = [sys.executable, "-m", "snowflake_server", *child_argv(self.settings)]
-        # The child asks the kernel to end it with us (see die_with_supervisor).
-        env = {**os.environ, SUPERVISOR_PID_ENV: str(os.getpid())}
+        # The child asks the kernel to end it with us (see die_with_supervisor); only
+        # the supervisor talks to systemd.
+        env = {k: v for k, v in os.environ.items() if k != NOTIFY_SOCKET_ENV}
+        env[SUPERVISOR_PID_ENV] = str(os.getpid())
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
         assert self.process.stdout is not None
         with selectors.DefaultSelector() as selector:
@@ -143,6 +150,13 @@ class _ChildrenMetrics(Collector):
         for child in self._children:
             status, text = child.get("/metrics")
             if status != 200:
+                # A child that cannot be scraped (dead, restarting) cannot serve either:
+                # say so, rather than let its series vanish.
+                ready = merged.setdefault(
+                    "snowflake_ready",
+                    Metric("snowflake_ready", "1 while /readyz answers 200.", "gauge"),
+                )
+                ready.add_sample("snowflake_ready", {"process": str(child.index)}, 0)
                 continue
             for family in text_string_to_metric_families(text):
                 into = merged.setdefault(
@@ -157,10 +171,13 @@ class _ChildrenMetrics(Collector):
 class Supervisor:
     """Runs ``settings.processes`` children; see the module docstring."""
 
-    def __init__(self, settings: ServerSettings) -> None:
+    def __init__(self, settings: ServerSettings, log_file: LogFile | None = None) -> None:
         self._settings = settings
+        self._log_file = log_file
         self._stop = threading.Event()
         self._children: list[_Child] = []
+        self._readiness = Readiness()  # its phase; the children's own checks are theirs
+        self._notifier = Notifier(os.environ)
 
     def _child_settings(self, index: int, port: int) -> ServerSettings:
         settings = self._settings
@@ -194,16 +211,19 @@ class Supervisor:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_ChildrenMetrics(self._children))
         try:
-            admin = AdminServer(registry, self._health, settings.admin)
+            admin = AdminServer(registry, settings.admin, ready=self._ready, live=lambda: None)
         except ConfigurationError:
             self._stop_children()
             raise
         admin.start()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGHUP, self._on_reload)
+        self._readiness.serving()
         metrics_host, metrics_port = admin.address
         log.info("%d processes serving on %s:%d", settings.processes, settings.host, port)
         print(ready_line((settings.host, port), (metrics_host, metrics_port)), flush=True)
+        self._notifier.ready(f"{settings.processes} processes serving")
         try:
             self._watch()
         finally:
@@ -214,7 +234,21 @@ class Supervisor:
     def _on_signal(self, signum: int, _frame: object) -> None:
         log.info("received %s: stopping %d processes", signal.Signals(signum).name,
                  len(self._children))  # fmt: skip
+        self._readiness.draining()
+        self._notifier.stopping(f"draining for {self._settings.drain_seconds:g} s")
         self._stop.set()
+
+    def _on_reload(self, _signum: int, _frame: object) -> None:
+        # Off the signal handler: reopening takes locks the interrupted code may hold.
+        threading.Thread(target=self._reload, name="sighup", daemon=True).start()
+
+    def _reload(self) -> None:
+        if self._log_file is not None:
+            self._log_file.reopen()
+        for child in self._children:
+            if child.alive():
+                assert child.process is not None
+                child.process.send_signal(signal.SIGHUP)
 
     def _watch(self) -> None:
         while not self._stop.wait(0.5):
@@ -234,7 +268,7 @@ class Supervisor:
             if child.alive():
                 assert child.process is not None
                 child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        deadline = time.monotonic() + self._settings.drain_seconds + _STOP_TIMEOUT_S
         for child in self._children:
             if child.process is None:
                 continue
@@ -249,8 +283,23 @@ class Supervisor:
                 child.process.stdout.close()
         return code
 
-    def _health(self) -> tuple[bool, dict[str, object]]:
-        states = {str(child.index): child.get("/health")[0] for child in self._children}
-        return all(status == 200 for status in states.values()), {
-            "processes": {index: "ok" if s == 200 else "unavailable" for index, s in states.items()}
+    def _ready(self) -> tuple[str | None, dict[str, object]]:
+        """Ready when every child is (and we are not stopping): each one is asked."""
+        unready: dict[str, str] = {}
+        for child in self._children:
+            status, body = child.get("/readyz")
+            if status != 200:
+                try:
+                    unready[str(child.index)] = str(json.loads(body).get("reason", body))
+                except (ValueError, AttributeError):
+                    unready[str(child.index)] = body
+        why = self._readiness.reason() or "; ".join(
+            f"process {index}: {reason}" for index, reason in unready.items()
+        )
+        return why or None, {
+            "phase": self._readiness.phase.value,
+            "processes": {
+                str(child.index): "unavailable" if str(child.index) in unready else "ok"
+                for child in self._children
+            },
         }

@@ -163,7 +163,7 @@ class Cluster(Collector):
 
     def check_peers(self) -> None:
         """Twitter's sanity checks against every registered peer (see ``peers``)."""
-        check_peers(self._client, self._settings, self.address, self._clock)
+        check_peers(self._client, self._settings, self.address, self._clock, self._sleep)
 
     def register(self) -> None:
         """Take a worker id (retrying a held static one twice, 1 s apart, as Twitter
@@ -413,15 +413,12 @@ class Cluster(Collector):
         client.stop()
         client.close()
 
-    def health(self) -> tuple[bool, dict[str, object]]:
-        serving = self._slot.serving
-        details: dict[str, object] = {
+    def details(self) -> dict[str, object]:
+        """For the probes: the ZooKeeper session's state and our registration's node."""
+        return {
             "zookeeper": self._client.state if self._client is not None else "NONE",
             "registered": self._node,
         }
-        if not serving:
-            details["reason"] = self._slot.closed_reason
-        return serving, details
 
     def collect(self) -> Iterable[Metric]:
         yield GaugeMetricFamily(

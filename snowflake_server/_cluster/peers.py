@@ -6,12 +6,15 @@ those registered at its address (worker or datacenter insanity), a layout
 other than ours (layout insanity), an unreachable peer, or a mean clock offset
 beyond ``--max-peer-skew`` refuses start-up. A peer without ``get_layout``
 (Twitter's server) is not asked for it; the layout recorded in ZooKeeper
-covers it.
+covers it. A peer refusing connections is asked again for a few seconds: a
+node registers first and starts listening just after (it listens only once it
+can serve), so a check in between meets a refused connection.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +23,7 @@ from snowflake_thrift_client import Layout
 from snowflake_thrift_client._idl import layout_from_thrift
 from snowflake_thrift_client._transports import open_client
 from thriftpy2.thrift import TApplicationException
+from thriftpy2.transport import TTransportException
 
 from .._config.settings import ClusterSettings
 from .._errors import StartupRefused
@@ -30,6 +34,10 @@ __all__ = ["check_peers", "children"]
 log = logging.getLogger(__name__)
 
 _PEER_TIMEOUT_S = 1.0
+REFUSED_RETRY_S = 5.0
+"""How long a peer that refuses connections is asked again (a registered node
+listens within milliseconds of registering, unless it is gone)."""
+_REFUSED_POLL_S = 0.05
 
 
 def children(client: Any, path: str, timeout_s: float = 10.0) -> list[str]:
@@ -44,10 +52,15 @@ def children(client: Any, path: str, timeout_s: float = 10.0) -> list[str]:
 
 
 def check_peers(
-    client: Any, settings: ClusterSettings, address: str, clock: Callable[[], int]
+    client: Any,
+    settings: ClusterSettings,
+    address: str,
+    clock: Callable[[], int],
+    sleep: Callable[[float], object] = time.sleep,
 ) -> None:
     """Check every peer registered under ``settings.zk_path`` (except ``address``,
-    our own); ``StartupRefused`` naming the peer and the number that was wrong."""
+    our own); ``StartupRefused`` naming the peer and the number that was wrong.
+    ``sleep`` waits between the tries of a peer that refuses connections."""
     if settings.skip_sanity_checks:
         log.warning("--skip-sanity-checks: not asking registered peers")
         return
@@ -65,12 +78,13 @@ def check_peers(
                 continue  # gone meanwhile
             peer = data.decode(errors="replace")
             registered.setdefault(peer, set()).add((int(dc_name), int(worker_name)))
-    # Our own address: sibling processes on this host and clock; asking could even
-    # reach our own listening socket, which does not answer before we register.
+    # Our own address: sibling processes on this host and clock (and our own socket,
+    # which refuses connections until we listen).
     registered.pop(address, None)
     transport, layout = settings.transport, settings.layout
     skews = [
-        (peer, _check_peer(peer, ids, transport, clock, layout)) for peer, ids in registered.items()
+        (peer, _check_peer(peer, ids, transport, clock, layout, sleep))
+        for peer, ids in registered.items()
     ]
     if not skews:
         log.info("no registered peers to check")
@@ -93,6 +107,7 @@ def _check_peer(
     transport: str,
     clock: Callable[[], int],
     layout: Layout,
+    sleep: Callable[[float], object],
 ) -> int:
     """The peer's clock minus ours, in ms, after checking its ids against the
     (datacenter, worker) pairs registered at its address, and its layout against ours.
@@ -107,7 +122,7 @@ def _check_peer(
     answered: set[tuple[int, int]] = set()
     skew: int | None = None
     for _ in range(8 * len(registered)):
-        pair, offset, theirs = _ask_peer(peer, where, transport, clock)
+        pair, offset, theirs = _ask_peer(peer, where, transport, clock, sleep)
         if theirs is None:
             log.warning(
                 "%s has no get_layout (Twitter's server?): its layout is not checked; the "
@@ -137,14 +152,37 @@ def _check_peer(
     )
 
 
+def _connect(host: str, port: int, transport: str, sleep: Callable[[float], object]) -> Any:
+    """A client of the peer, asked again while it refuses connections (for at most
+    ``REFUSED_RETRY_S``); any other failure, or a refusal for longer, raises."""
+    tries = int(REFUSED_RETRY_S / _REFUSED_POLL_S)
+    for _ in range(tries):
+        try:
+            return open_client(host, port, transport, _PEER_TIMEOUT_S)
+        except TTransportException as e:
+            if not isinstance(e.__context__, ConnectionRefusedError):
+                raise
+        sleep(_REFUSED_POLL_S)
+    try:
+        return open_client(host, port, transport, _PEER_TIMEOUT_S)
+    except TTransportException as e:
+        raise TTransportException(
+            e.type, f"{e.message}: refused connections for {REFUSED_RETRY_S:g} s"
+        ) from None
+
+
 def _ask_peer(
-    peer: str, where: str, transport: str, clock: Callable[[], int]
+    peer: str,
+    where: str,
+    transport: str,
+    clock: Callable[[], int],
+    sleep: Callable[[float], object],
 ) -> tuple[tuple[int, int], int, Layout | None]:
     """One connection: the (datacenter, worker) that answers, its clock minus ours,
     and its layout (None if it has no ``get_layout``)."""
     host, _, port = peer.rpartition(":")
     try:
-        client = open_client(host, int(port), transport, _PEER_TIMEOUT_S)
+        client = _connect(host, int(port), transport, sleep)
         try:
             peer_worker = client.get_worker_id()
             peer_dc = client.get_datacenter_id()

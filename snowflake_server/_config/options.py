@@ -20,7 +20,7 @@ from typing import Any
 from .._errors import ConfigurationError
 from .._state.statefile import default_state_dir
 from .._version import __version__
-from .settings import AUTO_WORKER_ID, LOG_LEVELS, ServerSettings, layout_from
+from .settings import AUTO_WORKER_ID, LOG_FORMATS, LOG_LEVELS, ServerSettings, layout_from
 
 __all__ = [
     "ENV_PREFIX",
@@ -97,11 +97,23 @@ OPTIONS: tuple[Option, ...] = (
            "refused with InvalidSystemClock. 0: always refuse (Twitter's behaviour). "
            "At most 60000.", "MS"),
     Option("metrics_host", str, "Address of the Prometheus metrics and health endpoint.", "ADDR"),
-    Option("metrics_port", int, "Port of /metrics and /health; 0 picks a free one.", "PORT"),
+    Option("metrics_port", int,
+           "Port of /metrics, /livez and /readyz (and /health, its old name); 0 picks a free "
+           "one.", "PORT"),
     Option("max_agents", int,
            "Distinct user agents that get their own metrics label; the rest share one.", "N"),
     Option("log_level", str, "Logging threshold.",
            "{" + ",".join(LOG_LEVELS) + "}"),
+    Option("log_format", str,
+           "Log lines as text, or as JSON objects (one per line: time in UTC, level, "
+           "logger, message and the event's fields).", "{" + ",".join(LOG_FORMATS) + "}"),
+    Option("log_file", str,
+           "Append the log to this file instead of standard error; SIGHUP reopens it "
+           "(for log rotation).", "FILE"),
+    Option("drain_seconds", float,
+           "On SIGTERM, report not ready (/readyz 503) at once but serve on for this "
+           "many seconds, so that load balancers and clients move away first; then stop "
+           "accepting and finish the calls in flight. 0: stop at once.", "SECONDS"),
     Option("state_dir", str,
            "Directory of the state files holding each worker's high-water mark "
            "(default: $XDG_STATE_HOME/snowflake or ~/.local/state/snowflake).", "DIR"),
@@ -172,7 +184,8 @@ OPTIONS: tuple[Option, ...] = (
 )  # fmt: skip
 
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("server", ("host", "port", "transport", "idle_timeout", "processes", "reuse_port")),
+    ("server", ("host", "port", "transport", "idle_timeout", "processes", "reuse_port",
+                "drain_seconds")),
     ("ids & layout", ("datacenter_id", "worker_id", "epoch", "timestamp_bits",
                       "datacenter_id_bits", "worker_id_bits", "sequence_bits", "sequence_start")),
     ("clock & state", ("max_backwards_ms", "state_dir", "max_startup_wait",
@@ -181,7 +194,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "skip_sanity_checks", "zk_session_timeout", "zk_connect_timeout")),
     ("security", ("tls_cert", "tls_key", "tls_client_ca", "audit_log", "audit_queue")),
     ("limits", ("max_connections", "max_frame_size", "max_batch", "max_agents")),
-    ("observability", ("metrics_host", "metrics_port", "log_level")),
+    ("observability", ("metrics_host", "metrics_port", "log_level", "log_format", "log_file")),
 )  # fmt: skip
 """The ``--help`` sections, each naming its options in the order shown."""
 

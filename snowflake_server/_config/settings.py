@@ -25,6 +25,7 @@ __all__ = [
     "AdminSettings",
     "AuditSettings",
     "ClusterSettings",
+    "LogSettings",
     "ServerSettings",
     "ThriftSettings",
     "WorkerSettings",
@@ -35,6 +36,7 @@ AUTO_WORKER_ID = -1
 """``--worker-id auto``: lease the lowest free worker id from ZooKeeper."""
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 Transport = Literal["framed", "buffered"]
 
 
@@ -114,6 +116,15 @@ class AdminSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class LogSettings:
+    """Where the log goes, and how it is written (``file`` empty: standard error)."""
+
+    level: str
+    format: str
+    file: str
+
+
+@dataclass(frozen=True, slots=True)
 class AuditSettings:
     """Where the audit trail goes (``path`` empty: off)."""
 
@@ -145,6 +156,9 @@ class ServerSettings:
     metrics_port: int = 9990
     max_agents: int = 100
     log_level: str = "info"
+    log_format: str = "text"
+    log_file: str = ""
+    drain_seconds: float = 0.0
     state_dir: str = ""
     max_startup_wait: float = 10.0
     sequence_start: Literal["zero", "random"] = "zero"
@@ -185,9 +199,11 @@ class ServerSettings:
         _seconds("idle_timeout", self.idle_timeout, positive=False, unbounded=False)
         _seconds("max_startup_wait", self.max_startup_wait, positive=False, unbounded=True)
         _seconds("first_start_wait", self.first_start_wait, positive=False, unbounded=False)
+        _seconds("drain_seconds", self.drain_seconds, positive=False, unbounded=False)
         _one_of("transport", self.transport, ("framed", "buffered"))
         _one_of("sequence_start", self.sequence_start, ("zero", "random"))
         _one_of("log_level", self.log_level, LOG_LEVELS)
+        _one_of("log_format", self.log_format, LOG_FORMATS)
         path = self.zk_path
         if not path.startswith("/") or path.endswith("/") or "//" in path:
             raise ConfigurationError(
@@ -229,6 +245,10 @@ class ServerSettings:
     @property
     def admin(self) -> AdminSettings:
         return AdminSettings(self.metrics_host, self.metrics_port, self.max_agents)
+
+    @property
+    def logging(self) -> LogSettings:
+        return LogSettings(self.log_level, self.log_format, self.log_file)
 
     @property
     def audit(self) -> AuditSettings:

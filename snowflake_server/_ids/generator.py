@@ -243,6 +243,17 @@ class IdGenerator:
         if self._reserve is not None and ceiling_ms > self._ceiling:
             self._ceiling = min(ceiling_ms, self._max_ts)
 
+    def clock_refusal(self) -> str | None:
+        """Why a call would be refused for the clock now (``ClockMovedBackwardsError``),
+        or None. A probe's reading: without the lock, never blocking."""
+        behind = self._last_ts - self._clock()
+        if behind <= self._tolerance:
+            return None
+        return (
+            f"the clock is {behind} ms behind the newest id (more than --max-backwards-ms "
+            f"{self._tolerance}): calls are refused with InvalidSystemClock"
+        )
+
     def seal(self) -> int:
         """Stop issuing ids for good; return the newest timestamp used.
 

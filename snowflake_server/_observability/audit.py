@@ -39,6 +39,7 @@ class AuditLog(Collector):
         except OSError as e:
             raise ConfigurationError(f"--audit-log {path}: {e.strerror}") from None
         self.path = path
+        self._file_lock = threading.Lock()  # the file is swapped by reopen()
         self._max_pending = max_pending
         self._queue: collections.deque[tuple[list[int], str, int]] = collections.deque()
         self._lock = threading.Lock()
@@ -87,8 +88,9 @@ class AuditLog(Collector):
         if not taken:
             return
         try:
-            self._file.writelines(lines)
-            self._file.flush()
+            with self._file_lock:
+                self._file.writelines(lines)
+                self._file.flush()
             self.written += taken
         except OSError as e:
             self.write_errors += 1
@@ -97,6 +99,19 @@ class AuditLog(Collector):
                 self.dropped += taken
         with self._lock:
             self._pending -= taken
+
+    def reopen(self) -> bool:
+        """Write to a fresh open of the path from now on (log rotation moved the old
+        file away). If it cannot be opened, keep the old file, log why, return False."""
+        try:
+            new = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        except OSError as e:
+            log.error("cannot reopen the audit log %s: %s; still writing the old one", self.path, e)
+            return False
+        with self._file_lock:
+            old, self._file = self._file, new
+        old.close()
+        return True
 
     def close(self) -> None:
         """Write what is queued, then close the file."""

@@ -11,6 +11,7 @@ checks that the two agree).
 from __future__ import annotations
 
 import bisect
+import platform
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -20,13 +21,20 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .._ids.generator import IdSource
+from .._version import __version__
 
 __all__ = [
+    "CALL_FAILURES",
     "EXCEPTION_KINDS",
     "LATENCY_BUCKETS_S",
+    "NO_METHOD",
+    "OK",
     "OVERFLOW_AGENT",
     "ConnectionStats",
     "ServiceMetrics",
@@ -50,6 +58,19 @@ EXCEPTION_KINDS: tuple[str, ...] = (
     "internal_error",
 )
 
+CALL_FAILURES: tuple[str, ...] = (
+    "invalid_system_clock",
+    "invalid_user_agent",
+    "invalid_count",
+    "unavailable",
+    "internal_error",
+)
+"""The kinds a call of a served method can fail with: its ``outcome`` unless ``ok``."""
+
+OK = "ok"
+NO_METHOD = "none"
+"""The ``method`` label of failures that belong to no served method's call."""
+
 OVERFLOW_AGENT = "__overflow__"
 """The ``agent`` label of ids for agents past the bound; no valid agent starts with '_'."""
 
@@ -72,21 +93,28 @@ class _Latency:
 class ConnectionStats:
     """What one connection did. Written by its own thread only; read by scrapes."""
 
-    __slots__ = ("agent_ids", "exceptions", "latency")
+    __slots__ = ("agent_ids", "exceptions", "latency", "outcomes")
 
     def __init__(self) -> None:
         self.agent_ids: dict[str, int] = {}
-        self.exceptions: dict[str, int] = {}
+        self.exceptions: dict[tuple[str, str], int] = {}  # (kind, method) -> calls
+        self.outcomes: dict[tuple[str, str], int] = {}  # (method, outcome) -> calls
         self.latency: dict[str, _Latency] = {}
 
     def count_ids(self, agent_label: str, n: int) -> None:
         ids = self.agent_ids
         ids[agent_label] = ids.get(agent_label, 0) + n
 
-    def count_exception(self, kind: str) -> None:
-        self.exceptions[kind] = self.exceptions.get(kind, 0) + 1
+    def count_exception(self, kind: str, method: str = NO_METHOD) -> None:
+        """A failure of ``kind``; ``method`` is the call's, or ``NO_METHOD`` for a
+        failure of the connection (bad bytes, TLS) or of a method not served."""
+        key = (kind, method)
+        self.exceptions[key] = self.exceptions.get(key, 0) + 1
 
-    def observe(self, method: str, seconds: float) -> None:
+    def observe(self, method: str, seconds: float, outcome: str = OK) -> None:
+        """A call of ``method`` served in ``seconds``: ``OK``, or the kind it failed with."""
+        key = (method, outcome)
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
         hist = self.latency.get(method)
         if hist is None:
             hist = self.latency[method] = _Latency()
@@ -97,8 +125,10 @@ class ConnectionStats:
         # dict(...) copies atomically under the GIL while the owner may insert keys.
         for agent, n in dict(other.agent_ids).items():
             self.agent_ids[agent] = self.agent_ids.get(agent, 0) + n
-        for kind, n in dict(other.exceptions).items():
-            self.exceptions[kind] = self.exceptions.get(kind, 0) + n
+        for key, n in dict(other.exceptions).items():
+            self.exceptions[key] = self.exceptions.get(key, 0) + n
+        for key, n in dict(other.outcomes).items():
+            self.outcomes[key] = self.outcomes.get(key, 0) + n
         for method, hist in dict(other.latency).items():
             self.latency.setdefault(method, _Latency()).add(hist)
 
@@ -130,10 +160,14 @@ class ServiceMetrics(Collector):
         self.connections_rejected = 0  # written by the accept loop only
 
     def registry(self, *others: Collector) -> CollectorRegistry:
-        """A fresh registry holding this collector and ``others`` (never the global one)."""
+        """A fresh registry holding this collector, ``others`` and prometheus_client's
+        process, platform and GC collectors (never the global registry)."""
         registry = CollectorRegistry(auto_describe=False)
         for collector in (self, *others):
             registry.register(collector)
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
         return registry
 
     def agent_label(self, agent: str) -> str:
@@ -185,13 +219,7 @@ class ServiceMetrics(Collector):
         for agent, n in sorted(total.agent_ids.items()):
             by_agent.add_metric([agent], n)
         yield by_agent
-        exceptions = CounterMetricFamily(
-            "snowflake_exceptions", "Calls that failed, by kind.", labels=["kind"]
-        )
-        for kind in EXCEPTION_KINDS:
-            exceptions.add_metric([kind], total.exceptions.get(kind, 0))
-        yield exceptions
-        yield self._latency(total)
+        yield from self._calls(total)
         backwards = CounterMetricFamily(
             "snowflake_clock_backwards",
             "Times the clock was found behind the newest id: waited out, or refused "
@@ -221,8 +249,51 @@ class ServiceMetrics(Collector):
             self.connections_rejected,
         )
         yield _gauge("connections_open", "Client connections open now.", self.connections_open)
-        yield _gauge("worker_id", "This server's worker id.", gen.settings.worker_id)
-        yield _gauge("datacenter_id", "This server's datacenter id.", gen.settings.datacenter_id)
+        ids = gen.settings
+        yield _gauge("worker_id", "This server's worker id.", ids.worker_id)
+        yield _gauge("datacenter_id", "This server's datacenter id.", ids.datacenter_id)
+        info = GaugeMetricFamily(
+            "snowflake_info",
+            "1, labelled with the node's ids: two series with one pair across a fleet "
+            "are two nodes that can hand out the same ids.",
+            labels=["datacenter_id", "worker_id"],
+        )
+        info.add_metric([str(ids.datacenter_id), str(ids.worker_id)], 1)
+        yield info
+        build = GaugeMetricFamily(
+            "snowflake_build_info",
+            "1, labelled with the server's version and the Python running it.",
+            labels=["version", "python"],
+        )
+        build.add_metric([__version__, platform.python_version()], 1)
+        yield build
+
+    def _calls(self, total: ConnectionStats) -> Iterable[Metric]:
+        # Every series that can move is there from the start (zeros, not gaps): each
+        # method with each outcome, and the connection's own failures under NO_METHOD.
+        requests = CounterMetricFamily(
+            "snowflake_requests",
+            "Calls served, by method and outcome: ok, or the kind of failure.",
+            labels=["method", "outcome"],
+        )
+        outcomes = dict.fromkeys(((m, o) for m in self._methods for o in (OK, *CALL_FAILURES)), 0)
+        outcomes.update(total.outcomes)
+        for (method, outcome), n in sorted(outcomes.items()):
+            requests.add_metric([method, outcome], n)
+        yield requests
+        exceptions = CounterMetricFamily(
+            "snowflake_exceptions",
+            f"Failures, by kind and by method ({NO_METHOD}: the connection's, or a "
+            "method not served).",
+            labels=["kind", "method"],
+        )
+        failures = dict.fromkeys(((k, m) for k in CALL_FAILURES for m in self._methods), 0)
+        failures.update(((k, NO_METHOD), 0) for k in EXCEPTION_KINDS if k not in CALL_FAILURES)
+        failures.update(total.exceptions)
+        for (kind, method), n in sorted(failures.items()):
+            exceptions.add_metric([kind, method], n)
+        yield exceptions
+        yield self._latency(total)
 
     def _latency(self, total: ConnectionStats) -> HistogramMetricFamily:
         family = HistogramMetricFamily(

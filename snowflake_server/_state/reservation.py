@@ -227,6 +227,12 @@ class Reservation(Collector):
                 raise ReservationError("the generator is shut down: no more ids")
             raise ReservationError(self._behind(now_ms))
 
+    @property
+    def failing(self) -> str | None:
+        """Why the latest write of the marks failed, or None if it succeeded: while it
+        fails, calls fail as soon as the stored ceiling is passed (within a second)."""
+        return self._last_error or None
+
     def _behind(self, now_ms: int) -> str:
         """Why no mark covers ``now_ms`` yet (caller holds ``_changed``)."""
         behind = [store.where for store, _ in self._stores if store.mark_ms < now_ms]

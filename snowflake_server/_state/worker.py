@@ -108,6 +108,14 @@ class Worker:
         # issued that is 0, not -1: no store takes a negative mark back.
         return cls(generator, reservation, state, max(resume_after, 0), host_lock)
 
+    def unavailable_reason(self) -> str | None:
+        """Why a call would fail now (the marks cannot be written, the clock is
+        refused), or None."""
+        failing = self.reservation.failing
+        if failing is not None:
+            return f"the high-water mark cannot be written: {failing}"
+        return self.generator.clock_refusal()
+
     def close(self) -> None:
         """Stop for good: seal the generator, store the exact last mark, unlock."""
         try:
@@ -210,6 +218,13 @@ class WorkerSlot:
     @property
     def serving(self) -> bool:
         return self._worker is not None and self._clock() <= self.open_until
+
+    def unavailable_reason(self) -> str | None:
+        """Why a call would fail now, or None (see ``Worker.unavailable_reason``)."""
+        worker = self._worker
+        if worker is None or self._clock() > self.open_until:
+            return f"this node is not handing out ids: {self.closed_reason}"
+        return worker.unavailable_reason()
 
     @property
     def settings(self) -> GeneratorSettings:

@@ -45,6 +45,7 @@ _REJECT_LOG_EVERY_S = 10.0
 _WAIT_THREADS = 4  # calls that must wait (clock stepped back, reservation) run on these
 _SPARE_FDS = 64  # files besides client connections: listener, logs, state, ZooKeeper
 _AFTER_ABORT_S = 1.0
+_BEAT_EVERY_S = 1.0
 
 
 def listen_socket(
@@ -114,44 +115,71 @@ class ThriftServer:
         *,
         tls: ssl.SSLContext | None = None,
         backlog: int = 1024,
+        heartbeat: Callable[[], None] = lambda: None,
     ) -> None:
         self._make_processor = make_processor
         self._metrics = metrics
         self._settings = settings
         self._tls = tls
         self._backlog = backlog
+        self._heartbeat = heartbeat
         self._listener: socket.socket | None = None
+        self._listening = False
         self._stop_requested = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._shared: Shared | None = None
+        self._beat_handle: asyncio.TimerHandle | None = None
         self._last_reject_log = float("-inf")
 
     def bind(self) -> tuple[str, int]:
-        """Bind and listen; return the address bound (the real port if 0 was asked).
-        Raises ``ConfigurationError`` if the address cannot be used."""
+        """Bind, not yet listening (a connection attempt is refused until :meth:`listen`);
+        return the address bound (the real port if 0 was asked). Raises
+        ``ConfigurationError`` if the address cannot be used."""
         settings = self._settings
-        listener = listen_socket(
-            settings.host, settings.port, reuse_port=settings.reuse_port, backlog=self._backlog
-        )
+        listener = listen_socket(settings.host, settings.port, reuse_port=settings.reuse_port)
         listener.setblocking(False)
         self._listener = listener
         _fit_open_files(settings.max_connections)
         host, port = listener.getsockname()[:2]
         return host, port
 
-    def request_shutdown(self) -> None:
-        """Ask :meth:`serve_forever` to stop. Safe from a signal handler or any thread."""
-        self._stop_requested = True
+    def listen(self) -> None:
+        """Start accepting connections (into the backlog until :meth:`serve_forever`
+        serves them): call it once the node can serve."""
+        if self._listener is None:
+            raise RuntimeError("bind() first")
+        self._listener.listen(self._backlog)
+        self._listening = True
+
+    def set_tls(self, tls: ssl.SSLContext) -> None:
+        """Serve connections accepted from now on with ``tls`` (those open keep theirs)."""
+        self._tls = tls
+        if self._shared is not None:
+            self._shared.tls = tls
+
+    def request_shutdown(self, after_s: float = 0.0) -> None:
+        """Ask :meth:`serve_forever` to stop, in ``after_s`` seconds (serving on until
+        then). Safe from a signal handler or any thread; a later request with a
+        shorter delay wins."""
         loop, stop = self._loop, self._stop
-        if loop is not None and stop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop has already closed
+        if loop is None or stop is None:
+            self._stop_requested = True  # asked before the loop exists: stop at once
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has already closed
+            if after_s > 0:
+                loop.call_soon_threadsafe(loop.call_later, after_s, stop.set)
+            else:
                 loop.call_soon_threadsafe(stop.set)
 
     def serve_forever(self, grace_s: float = 1.5) -> None:
         """Accept and serve until asked to stop, then give calls in flight up to
-        ``grace_s`` to finish before returning. Runs its own event loop."""
+        ``grace_s`` to finish before returning. Runs its own event loop; listens
+        first if :meth:`listen` was not called."""
         if self._listener is None:
             raise RuntimeError("bind() first")
+        if not self._listening:
+            self.listen()
         loop = new_event_loop()
         try:
             loop.run_until_complete(self._serve(loop, self._listener, grace_s))
@@ -192,6 +220,7 @@ class ThriftServer:
             admit=lambda connection: self._admit(shared, connection),
         )
         shared.on_closed = lambda: None if shared.connections else all_closed.set()
+        self._shared = shared
         self._stop = asyncio.Event()
         self._loop = loop
         if self._stop_requested:  # asked before the loop existed
@@ -199,13 +228,21 @@ class ThriftServer:
         server = await loop.create_server(
             lambda: Connection(shared), sock=listener, backlog=self._backlog
         )
+        self._beat(loop)
         try:
             await self._stop.wait()
         finally:
+            if self._beat_handle is not None:
+                self._beat_handle.cancel()
             server.close()  # no new connections
             listener.close()  # in case the loop serves a duplicate of it
             await self._drain(shared, all_closed, grace_s)
             executor.shutdown(wait=False, cancel_futures=True)
+
+    def _beat(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Call the heartbeat now and then every second while the loop turns."""
+        self._heartbeat()
+        self._beat_handle = loop.call_later(_BEAT_EVERY_S, self._beat, loop)
 
     async def _drain(self, shared: Shared, all_closed: asyncio.Event, grace_s: float) -> None:
         if not shared.connections:

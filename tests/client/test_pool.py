@@ -31,6 +31,7 @@ from tests.client.helpers import (
 from tests.support.endpoints import free_port
 from tests.support.fakes import SecondsClock
 from tests.support.inprocess import InProcessServer
+from tests.support.processes import failures
 from tests.support.waiting import wait_until
 
 # -- failover -------------------------------------------------------------------------------
@@ -75,7 +76,7 @@ def test_callers_errors_are_raised_at_once_not_retried(servers: MakeServer) -> N
         with pytest.raises(InvalidCountError):
             pool.next_ids(5000)
         refused = [
-            counts(s)[f'snowflake_exceptions_total{{kind="{kind}"}}']
+            failures(counts(s), kind)
             for s in (one, two)
             for kind in ("invalid_user_agent", "invalid_count")
         ]
@@ -84,7 +85,7 @@ def test_callers_errors_are_raised_at_once_not_retried(servers: MakeServer) -> N
 
 
 def clock_refusals(server: InProcessServer) -> float:
-    return counts(server).get('snowflake_exceptions_total{kind="invalid_system_clock"}', 0)
+    return failures(counts(server), "invalid_system_clock")
 
 
 def step_back(server: InProcessServer, wall: ShiftedWallClock) -> None:

@@ -295,7 +295,8 @@ def test_a_static_id_is_registered_and_served(member: Make, zk: KazooClient, zk_
     assert node.slot.serving and node.slot.open_until == node.gate.now + OPEN_FOR
     assert decompose(node.slot.next_id()).worker_id == 3
     assert node.sleeps == [] and node.cluster.registrations == 1
-    assert node.cluster.health() == (True, {"zookeeper": "CONNECTED", "registered": path})
+    assert node.cluster.details() == {"zookeeper": "CONNECTED", "registered": path}
+    assert node.slot.unavailable_reason() is None
     counts = samples(node.cluster)
     assert counts["snowflake_zookeeper_registered"] == 1
     assert counts["snowflake_serving"] == 1
@@ -373,10 +374,8 @@ def test_unreachable_zookeeper_is_refused_within_the_connect_timeout(member: Mak
         f"cannot reach ZooKeeper at {hosts} within 0.5 s (--zk-connect-timeout)"
     )
     assert node.cluster.client is None and not node.client.connected, "stopped, not left trying"
-    assert node.cluster.health() == (
-        False,
-        {"zookeeper": "NONE", "registered": None, "reason": "not registered yet"},
-    )
+    assert node.cluster.details() == {"zookeeper": "NONE", "registered": None}
+    assert node.slot.unavailable_reason() == "this node is not handing out ids: not registered yet"
     counts = samples(node.cluster)
     assert counts["snowflake_zookeeper_registered"] == 0
     assert counts["snowflake_zookeeper_last_contact_age_seconds"] == float("inf")
@@ -404,8 +403,7 @@ def test_the_gate_closes_without_a_heartbeat_and_opens_with_one(member: Make) ->
     assert not node.slot.serving
     with pytest.raises(UnavailableError, match=UNREACHABLE):
         node.slot.next_id()
-    healthy, details = node.cluster.health()
-    assert not healthy and details["reason"] == UNREACHABLE
+    assert node.slot.unavailable_reason() == f"this node is not handing out ids: {UNREACHABLE}"
     counts = samples(node.cluster)
     assert counts["snowflake_serving"] == 0
     assert counts["snowflake_zookeeper_registered"] == 1, "still registered, just not proven"
@@ -559,7 +557,7 @@ def test_a_client_stuck_suspended_is_replaced(member: Make, tmp_path: Path) -> N
         node.tick()  # a new client: it cannot connect either, within its 0.5 s
         assert not stuck.connected and len(node.clients) == 2
         assert node.cluster.client is None and node.cluster.client_restarts == 1
-        assert node.cluster.health()[1]["zookeeper"] == "NONE"
+        assert node.cluster.details()["zookeeper"] == "NONE"
         own.wipe()  # it comes back empty: the old session is unknown there
         own.start()
         node.tick()  # another new client: connected

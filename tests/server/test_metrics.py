@@ -14,7 +14,7 @@ from snowflake_server import GeneratorSettings, IdGenerator
 from snowflake_server._observability.metrics import OVERFLOW_AGENT, ServiceMetrics
 from snowflake_server._thrift.handler import service_methods
 from tests.support.inprocess import InProcessServer
-from tests.support.processes import parse_metrics, start_server
+from tests.support.processes import failures, parse_metrics, start_server
 from tests.support.waiting import wait_until
 
 
@@ -50,7 +50,7 @@ def test_counts_from_open_and_closed_connections_add_up() -> None:
     metrics.close_connection(first)
     counts = scrape(metrics)
     assert counts['snowflake_ids_by_agent_total{agent="a"}'] == 7
-    assert counts['snowflake_exceptions_total{kind="invalid_count"}'] == 1
+    assert failures(counts, "invalid_count") == 1
     assert counts['snowflake_request_duration_seconds_bucket{le="2.5e-05",method="get_id"}'] == 0
     assert counts['snowflake_request_duration_seconds_bucket{le="5e-05",method="get_id"}'] == 1
     assert counts['snowflake_request_duration_seconds_bucket{le="1.0",method="get_id"}'] == 1
@@ -112,10 +112,20 @@ def test_scraped_metrics_match_the_calls_made(transport: Transport) -> None:
             'snowflake_ids_by_agent_total{agent="alpha"}': 7,
             'snowflake_ids_by_agent_total{agent="beta"}': 100,
             f'snowflake_ids_by_agent_total{{agent="{OVERFLOW_AGENT}"}}': 5,
-            'snowflake_exceptions_total{kind="invalid_user_agent"}': 2,
-            'snowflake_exceptions_total{kind="invalid_count"}': 1,
-            'snowflake_exceptions_total{kind="invalid_system_clock"}': 0,
-            'snowflake_exceptions_total{kind="internal_error"}': 0,
+            'snowflake_exceptions_total{kind="invalid_user_agent",method="get_id"}': 2,
+            'snowflake_exceptions_total{kind="invalid_user_agent",method="get_ids"}': 0,
+            'snowflake_exceptions_total{kind="invalid_count",method="get_ids"}': 1,
+            'snowflake_exceptions_total{kind="invalid_system_clock",method="get_id"}': 0,
+            'snowflake_exceptions_total{kind="internal_error",method="get_id"}': 0,
+            'snowflake_exceptions_total{kind="protocol_error",method="none"}': 0,
+            'snowflake_requests_total{method="get_id",outcome="ok"}': 7,
+            'snowflake_requests_total{method="get_id",outcome="invalid_user_agent"}': 2,
+            'snowflake_requests_total{method="get_ids",outcome="ok"}': 2,
+            'snowflake_requests_total{method="get_ids",outcome="invalid_count"}': 1,
+            'snowflake_requests_total{method="get_worker_id",outcome="ok"}': 1,
+            'snowflake_requests_total{method="get_layout",outcome="ok"}': 0,
+            'snowflake_info{datacenter_id="0",worker_id="3"}': 1,
+            "snowflake_ready": 1,
             'snowflake_request_duration_seconds_count{method="get_id"}': 9,
             'snowflake_request_duration_seconds_count{method="get_ids"}': 3,
             'snowflake_request_duration_seconds_count{method="get_worker_id"}': 1,

@@ -16,7 +16,7 @@ from thriftpy2.rpc import make_server
 from thriftpy2.transport import TFramedTransportFactory
 
 from snowflake_server import ServerSettings, StartupRefused
-from snowflake_server._cluster.peers import check_peers, children
+from snowflake_server._cluster.peers import REFUSED_RETRY_S, check_peers, children
 from snowflake_server._ids.clocks import wall_clock_ms
 from tests.support.endpoints import free_port
 from tests.support.inprocess import InProcessServer
@@ -55,7 +55,11 @@ def address(server: InProcessServer) -> str:
 
 class Check(Protocol):
     def __call__(
-        self, clock: Callable[[], int] = ..., ours: str = ..., **overrides: object
+        self,
+        clock: Callable[[], int] = ...,
+        ours: str = ...,
+        sleep: Callable[[float], object] = ...,
+        **overrides: object,
     ) -> None: ...
 
 
@@ -63,14 +67,19 @@ class Check(Protocol):
 def check(zookeeper: ZooKeeper, zk: KazooClient, zk_path: str) -> Check:
     """``check(clock=..., ours=..., **settings)``: the peer checks as worker 6 would run them."""
 
-    def run(clock: Callable[[], int] = wall_clock_ms, ours: str = US, **overrides: object) -> None:
+    def run(
+        clock: Callable[[], int] = wall_clock_ms,
+        ours: str = US,
+        sleep: Callable[[float], object] = lambda _s: None,
+        **overrides: object,
+    ) -> None:
         settings = ServerSettings(
             zookeeper=zookeeper.hosts,
             zk_path=zk_path,
             worker_id=6,
             **overrides,  # type: ignore[arg-type]
         )
-        check_peers(zk, settings.cluster, ours, clock)
+        check_peers(zk, settings.cluster, ours, clock, sleep)
 
     return run
 
@@ -133,6 +142,29 @@ def test_an_unreachable_peer_refuses_start(check: Check, register: Register, whe
     message = str(info.value)
     assert message.startswith(f"peer {dead} (registered as datacenter 0, worker 9) is unreachable")
     assert "--skip-sanity-checks" in message
+    if where == "dead":
+        assert f"refused connections for {REFUSED_RETRY_S:g} s" in message
+
+
+def test_a_peer_that_registered_but_listens_only_now_is_asked_again(
+    check: Check, register: Register, tmp_path: Path
+) -> None:
+    # A node registers, then listens: a check in between meets a refused connection.
+    port = free_port()
+    register("0/9", f"127.0.0.1:{port}")
+    late = InProcessServer(ServerSettings(worker_id=9), tmp_path, port=port)
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 3:
+            late.start()
+
+    try:
+        check(sleep=sleep)
+    finally:
+        late.stop()
+    assert len(waits) == 3 and sum(waits) < REFUSED_RETRY_S
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from snowflake_server._ids.clocks import wall_clock_ms
 from tests.support.endpoints import encode_call
 from tests.support.fakes import FakeClock
 from tests.support.inprocess import InProcessServer
-from tests.support.processes import DATA, parse_metrics, start_server, twitter_idl
+from tests.support.processes import DATA, failures, parse_metrics, start_server, twitter_idl
 from tests.support.waiting import wait_until
 
 thrift = snowflake_thrift()
@@ -88,7 +88,7 @@ def test_unknown_method_is_an_application_error(server: InProcessServer) -> None
     assert info.value.type == TApplicationException.UNKNOWN_METHOD
     assert client.get_id("infra-dm") > 0
     counts = parse_metrics(server.metrics())
-    assert counts['snowflake_exceptions_total{kind="unknown_method"}'] == 1
+    assert failures(counts, "unknown_method") == 1
 
 
 def test_garbage_bytes_leave_the_server_serving_others(server: InProcessServer) -> None:
@@ -115,7 +115,7 @@ def test_garbage_bytes_leave_the_server_serving_others(server: InProcessServer) 
     counts = parse_metrics(server.metrics())
     for kind in ("protocol_error", "frame_too_large"):
         expected = sum(1 for _, counted in junk if counted == kind)
-        assert counts[f'snowflake_exceptions_total{{kind="{kind}"}}'] == expected, kind
+        assert failures(counts, kind) == expected, kind
 
 
 @pytest.mark.slow
@@ -139,7 +139,7 @@ def test_a_call_cut_off_is_a_protocol_error_and_a_close_between_calls_is_not(
             5,
         )
         counts = parse_metrics(server.metrics())
-        assert counts['snowflake_exceptions_total{kind="protocol_error"}'] == 2
+        assert failures(counts, "protocol_error") == 2
 
 
 def test_an_idle_client_is_not_dropped_after_3_seconds(server: InProcessServer) -> None:
@@ -174,7 +174,7 @@ def test_internal_errors_reach_the_client_as_application_errors(
         assert "TimestampOverflowError" in str(raised.value)
         assert client.get_worker_id() == 0, "the connection stays usable"
         counts = parse_metrics(server.metrics())
-        assert counts['snowflake_exceptions_total{kind="internal_error"}'] == 1
+        assert failures(counts, "internal_error") == 1
     assert "internal error in get_id" in caplog.text
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from snowflake_server import decompose, load_settings
-from snowflake_server._app.supervisor import child_argv
-from tests.support.endpoints import unique_scope
+from snowflake_server._app.supervisor import _Child, _ChildrenMetrics, child_argv
+from tests.support.endpoints import free_port, unique_scope
 from tests.support.processes import (
     Load,
     ServerDidNotStart,
@@ -59,6 +59,20 @@ def test_a_dead_process_is_restarted(pair: ServerProcess) -> None:
     )
     workers = {decompose(pair.raw_client().get_id("again")).worker_id for _ in range(40)}
     assert workers == {3, 4}
+
+
+def test_a_child_that_cannot_be_scraped_reads_as_not_ready() -> None:
+    settings = load_settings(["--worker-id", "3"], {})
+    alive, dead = _Child(0, settings), _Child(1, settings)
+    dead.metrics = f"127.0.0.1:{free_port()}"  # nothing answers there
+    child = start_server("--worker-id", "3")
+    try:
+        alive.metrics = f"127.0.0.1:{child.metrics_port}"
+        families = {f.name: f for f in _ChildrenMetrics([alive, dead]).collect()}
+    finally:
+        child.stop()
+    ready = {s.labels["process"]: s.value for s in families["snowflake_ready"].samples}
+    assert ready == {"0": 1, "1": 0}
 
 
 def test_worker_ids_must_fit_for_every_process() -> None:

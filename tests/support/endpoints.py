@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import urllib.error
 import urllib.request
@@ -11,7 +12,12 @@ from typing import Any
 
 from snowflake_thrift_client import SnowflakeClient
 from snowflake_thrift_client._idl import snowflake_thrift
-from snowflake_thrift_client._transports import Transport, open_client
+from snowflake_thrift_client._transports import (
+    Transport,
+    binary_protocol,
+    open_client,
+    server_socket,
+)
 from thriftpy2.protocol import TBinaryProtocol
 from thriftpy2.thrift import TClient
 from thriftpy2.transport import TMemoryBuffer
@@ -90,3 +96,16 @@ def take_ids(server: Endpoints, rounds: int, batch: int = 100, agent: str = "tes
     for _ in range(rounds):
         ids.extend(client.get_ids(agent, batch))
     return ids
+
+
+def tls_client(server: Endpoints, context: ssl.SSLContext) -> Any:
+    """A bare thriftpy2 client over TLS with ``context``, closed with the server's clients."""
+    raw = socket.create_connection((server.host, server.port), timeout=5)
+    try:
+        sock = context.wrap_socket(raw, server_hostname="127.0.0.1")
+    except BaseException:
+        raw.close()
+        raise
+    client = TClient(snowflake_thrift().Snowflake, binary_protocol(server_socket(sock), "framed"))
+    server._clients.append(client)  # closed when the server is stopped
+    return client

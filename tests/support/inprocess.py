@@ -19,10 +19,11 @@ from tests.support.endpoints import Endpoints, unique_scope
 class InProcessServer(Endpoints):
     """A :class:`Node` on free loopback ports, serving from a thread until :meth:`stop`.
 
-    ``settings`` get port 0 for Thrift and admin; ``state_dir`` is used unless the
-    settings name one. ``first_start_wait`` (0: a fresh state directory is the norm
-    here) and ``host_lock_scope`` (one of its own, so that tests running at once never
-    share a worker lock) replace the settings' values. Use as a context manager, or
+    ``settings`` get port 0 for admin and ``port`` (0 by default) for Thrift;
+    ``state_dir`` is used unless the settings name one. ``first_start_wait`` (0: a
+    fresh state directory is the norm here) and ``host_lock_scope`` (one of its own,
+    so that tests running at once never share a worker lock) replace the settings'
+    values. Use as a context manager, or
     :meth:`start` and :meth:`stop`.
     """
 
@@ -35,10 +36,11 @@ class InProcessServer(Endpoints):
         zk_client_factory: Callable[..., Any] = KazooClient,
         first_start_wait: float = 0.0,
         host_lock_scope: str | None = None,
+        port: int = 0,
     ) -> None:
         self.settings = replace(
             settings,
-            port=0,
+            port=port,
             metrics_port=0,
             state_dir=settings.state_dir or str(state_dir),
             first_start_wait=first_start_wait,

@@ -110,21 +110,16 @@ def _state_root() -> Path:
     return root
 
 
-def start_server(
+def spawn_server(
     *args: str,
     transport: Transport = "framed",
-    timeout_s: float = 15.0,
     state_dir: Path | None = None,
     env: dict[str, str] | None = None,
     lock_scope: str | None = None,
-) -> ServerProcess:
-    """Start ``snowflake-server`` on free ports and wait for its ready line.
-
-    Each server gets a fresh state directory unless ``state_dir`` is given
-    (pass the same one to restart a worker); ``env`` adds environment variables;
-    ``lock_scope`` shares a host lock scope between servers (one of their own by default).
-    """
-    stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by ServerProcess.stop
+) -> tuple[subprocess.Popen[str], IO[str], Path]:
+    """Start ``snowflake-server`` without waiting for it: its process, its stderr and
+    its state directory (see :func:`start_server`; later ``args`` override the ports)."""
+    stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by the caller
     if state_dir is None:
         state_dir = Path(tempfile.mkdtemp(dir=_state_root()))
     command = [
@@ -140,6 +135,26 @@ def start_server(
         **(env or {}),
     }
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    return process, stderr, state_dir
+
+
+def start_server(
+    *args: str,
+    transport: Transport = "framed",
+    timeout_s: float = 15.0,
+    state_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+    lock_scope: str | None = None,
+) -> ServerProcess:
+    """Start ``snowflake-server`` on free ports and wait for its ready line.
+
+    Each server gets a fresh state directory unless ``state_dir`` is given
+    (pass the same one to restart a worker); ``env`` adds environment variables;
+    ``lock_scope`` shares a host lock scope between servers (one of their own by default).
+    """
+    process, stderr, state_dir = spawn_server(
+        *args, transport=transport, state_dir=state_dir, env=env, lock_scope=lock_scope
+    )
     assert process.stdout is not None
     deadline = time.monotonic() + timeout_s
     with selectors.DefaultSelector() as selector:
@@ -197,6 +212,12 @@ def parse_metrics(text: str) -> dict[str, float]:
             key, value = line.rsplit(" ", 1)
             out[key] = float(value)
     return out
+
+
+def failures(counts: dict[str, float], kind: str) -> float:
+    """Failures of ``kind`` in parsed metrics (``parse_metrics``), whatever the method."""
+    prefix = f'snowflake_exceptions_total{{kind="{kind}",'
+    return sum(value for key, value in counts.items() if key.startswith(prefix))
 
 
 class Load:
