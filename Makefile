@@ -10,6 +10,8 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Debian's golang-thrift-dev: the Go Thrift library, used without the Go module proxy
 GO_THRIFT ?= /usr/share/gocode/src/github.com/apache/thrift
 # command (or /absolute/file):Debian package, for each outside tool the tests start.
+# ZooKeeper is libzookeeper-java (the jar) run by the JDK's java: the zookeeper package
+# pulls in a full JRE with X11 (x11-common's init script) and is not needed.
 # The client tests need the Thrift compiler, Node.js + npm (npm `thrift` is in
 # clients/node/package-lock.json), a JDK with Debian's libthrift-java, and Go with
 # Debian's golang-thrift-dev: nothing from Maven Central or the Go module proxy.
@@ -20,8 +22,9 @@ THRIFT_TOOLCHAINS := thrift:thrift-compiler \
 	javac:default-jdk-headless /usr/share/java/thrift.jar:libthrift-java \
 	/usr/share/java/slf4j-nop.jar:libslf4j-java \
 	go:golang-go $(GO_THRIFT)/lib/go/thrift/transport.go:golang-thrift-dev
-TEST_TOOLS := faketime:faketime /usr/share/java/zookeeper.jar:zookeeper \
-	node:nodejs npm:npm $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS)
+TEST_TOOLS := faketime:faketime /usr/share/java/zookeeper.jar:libzookeeper-java \
+	node:nodejs npm:npm $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS) \
+	podman:podman debootstrap:debootstrap systemd-analyze:systemd
 BENCH_TOOLS := $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS)
 
 # make stubs: client code generated from the IDL by the Apache Thrift compiler into
@@ -46,14 +49,33 @@ $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	$(BIN)/python -m pip install -q -e './clients/python[zookeeper]' -e '.[test]'
 	touch $@
 
+# The services a package enables when installed (podman: its socket, timer and services;
+# systemd itself, where it was missing: a getty) are disabled and stopped again at once:
+# the test suite must leave no service behind. Only links the install added are touched.
+ENABLED_UNITS := { find /etc/systemd/system /etc/systemd/user -path '*.wants/*'; \
+	find /etc/rc0.d /etc/rc1.d /etc/rc2.d /etc/rc3.d /etc/rc4.d /etc/rc5.d /etc/rc6.d \
+	/etc/rcS.d -name 'S*'; } 2>/dev/null | sort
+
 system-deps:
 	@missing=""; for pair in $(TEST_TOOLS); do tool="$${pair%%:*}"; \
 	  case "$$tool" in /*) [ -e "$$tool" ];; *) command -v "$$tool" >/dev/null 2>&1;; esac \
 	    || missing="$$missing $${pair##*:}"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
+	  before="$$($(ENABLED_UNITS))"; \
 	  $(SUDO) apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing \
+	    || exit 1; \
+	  for link in $$($(ENABLED_UNITS) | grep -vxF "$$before"); do \
+	    unit=$$(basename "$$link"); \
+	    case "$$link" in \
+	      /etc/systemd/user/*) $(SUDO) systemctl --global disable --quiet "$$unit" || $(SUDO) rm -f "$$link";; \
+	      /etc/systemd/*) $(SUDO) systemctl disable --quiet "$$unit" || $(SUDO) rm -f "$$link"; \
+	        [ ! -d /run/systemd/system ] || $(SUDO) systemctl stop "$$unit" || true;; \
+	      *) $(SUDO) update-rc.d -f "$$(echo "$$unit" | sed 's/^S[0-9]*//')" remove >/dev/null;; \
+	    esac; \
+	    echo "disabled $$unit: enabled by the packages just installed"; \
+	  done; \
 	fi
 
 stubs:

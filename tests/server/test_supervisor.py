@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,6 +51,18 @@ def test_one_metrics_port_for_all_processes(pair: ServerProcess) -> None:
     assert total == 50
     status, body = pair.http_get("/health")
     assert status == 200 and json.loads(body)["processes"] == {"0": "ok", "1": "ok"}
+
+
+def test_promtool_accepts_the_merged_exposition(pair: ServerProcess) -> None:
+    pair.raw_client().get_id("lint")
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool (from Debian's prometheus package) is unpacked by `make test`"
+    text = pair.metrics()
+    checked = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True
+    )
+    assert checked.returncode == 0 and not checked.stdout.strip(), checked.stdout + checked.stderr
+    assert 'process_open_fds{process="1"}' in text and 'snowflake_ready{process="0"} 1.0' in text
 
 
 def test_a_dead_process_is_restarted(pair: ServerProcess) -> None:

@@ -1,4 +1,4 @@
-"""A real ZooKeeper (Debian's package) for the tests, on a free loopback port."""
+"""A real ZooKeeper (Debian's libzookeeper-java) for the tests, on a free loopback port."""
 
 from __future__ import annotations
 
@@ -10,8 +10,16 @@ from kazoo.client import KazooClient
 
 from tests.support.endpoints import free_port
 
-CLASSPATH = "/etc/zookeeper/conf:/usr/share/java/zookeeper.jar"
-JAR = Path("/usr/share/java/zookeeper.jar")
+JAR = Path("/usr/share/java/zookeeper.jar")  # its manifest names the jars it needs
+# Its logs through log4j 1.2: libslf4j-java's binding and liblog4j1.2-java, both
+# dependencies of libzookeeper-java.
+LOGGING = "/usr/share/java/slf4j-log4j12.jar:/usr/share/java/log4j-1.2.jar"
+LOG4J = """\
+log4j.rootLogger=INFO, CONSOLE
+log4j.appender.CONSOLE=org.apache.log4j.ConsoleAppender
+log4j.appender.CONSOLE.layout=org.apache.log4j.PatternLayout
+log4j.appender.CONSOLE.layout.ConversionPattern=%d{ISO8601} %-5p [%t:%C{1}@%L] - %m%n
+"""
 
 
 class ZooKeeper:
@@ -19,8 +27,10 @@ class ZooKeeper:
     keep its data (sessions survive), :meth:`wipe` makes it come back empty."""
 
     def __init__(self, directory: Path, tick_ms: int = 200) -> None:
-        assert JAR.exists(), "ZooKeeper (Debian package zookeeper) is installed by `make test`"
-        assert shutil.which("java"), "java is installed with the zookeeper package"
+        assert JAR.exists(), "ZooKeeper (Debian's libzookeeper-java) is installed by `make test`"
+        assert shutil.which("java"), (
+            "java (Debian's default-jdk-headless) is installed by `make test`"
+        )
         self.directory = directory
         self.port = free_port()
         self.hosts = f"127.0.0.1:{self.port}"
@@ -40,9 +50,12 @@ class ZooKeeper:
             "admin.enableServer=false\n"
             "maxSessionTimeout=60000\n"
         )
+        # Its log configuration, in a directory on the class path: to the log file.
+        (self.directory / "log4j.properties").write_text(LOG4J)
         with self._log.open("ab") as log:
             self._process = subprocess.Popen(
-                ["java", "-cp", CLASSPATH, "org.apache.zookeeper.server.quorum.QuorumPeerMain",
+                ["java", "-cp", f"{self.directory}:{JAR}:{LOGGING}",
+                 "org.apache.zookeeper.server.quorum.QuorumPeerMain",
                  str(config)],
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip

@@ -1,0 +1,444 @@
+"""The container image of deploy/docker/Dockerfile, built and run on this machine.
+
+No container runtime can start a container here, so the test does what one would:
+debootstrap makes a Debian base (cached in ``.tools/``), podman builds the image on it
+(chroot isolation, its storage in the test's temporary folder), and the server runs from
+the image's root file system under chroot, as the image's user, with the image's
+environment, in mount and PID namespaces of its own: PID 1 as in a container, the root
+read only and the state directory a separate mount, as Kubernetes runs it
+(readOnlyRootFilesystem and a persistent volume).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from snowflake_thrift_client import SnowflakeClient
+
+from snowflake_server import ServerSettings
+from snowflake_server._app.ready import ReadyLine, parse_ready_line
+from snowflake_server._config.options import OPTIONS
+from tests.support.waiting import wait_until
+
+pytestmark = [
+    pytest.mark.slow,
+    # debootstrap (cold) and the build's apt-get and pip take minutes; the first test pays.
+    pytest.mark.timeout(900),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
+IGNOREFILE = REPO / "deploy" / "docker" / "Dockerfile.dockerignore"
+SUITE = "bookworm"
+BASE_CACHE = REPO / ".tools" / "debootstrap"
+MIRROR = "http://deb.debian.org/debian"
+# What the official debian:bookworm images list: without the security suite the image
+# would get the point release's Python and OpenSSL.
+DEBIAN_SOURCES = f"""\
+Types: deb
+URIs: {MIRROR}
+Suites: {SUITE} {SUITE}-updates
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb
+URIs: http://deb.debian.org/debian-security
+Suites: {SUITE}-security
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+"""
+HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+# The blob-info cache podman keeps for root whatever --root says; removed if the test made it.
+PODMAN_SYSTEM_CACHE = Path("/var/lib/containers")
+BASE_REF = f"localhost/snowflake-test-base:{SUITE}"
+IMAGE_REF = "localhost/snowflake-server:test"
+# The image's own layer: Python, the venv and the user on top of the base. A compiler or
+# pip's caches left behind would be tens of MB more.
+MAX_ADDED_MB = 120
+
+
+def _run(command: Sequence[str], *, timeout_s: float, env: Mapping[str, str] | None = None,
+         log: Path | None = None) -> str:  # fmt: skip
+    """Run ``command``; its stdout, or ``AssertionError`` with its output's end."""
+    if log is None:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False
+        )
+        output, stdout = done.stderr, done.stdout
+    else:
+        with log.open("w") as sink:
+            done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, text=True,
+                                  timeout=timeout_s, env=env, check=False)  # fmt: skip
+        output = stdout = log.read_text()
+    if done.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(command[:6])} ... exited {done.returncode}:\n{output[-4000:]}"
+        )
+    return stdout
+
+
+def _base_tarball() -> Path:
+    """A Debian ``SUITE`` minbase root file system as a tar, made once and kept in
+    ``.tools/`` (git-ignored): debootstrap takes about half a minute and the network."""
+    arch = _run(["dpkg", "--print-architecture"], timeout_s=10).strip()
+    tarball = BASE_CACHE / f"{SUITE}-minbase-{arch}.tar"
+    if tarball.exists():
+        return tarball
+    BASE_CACHE.mkdir(parents=True, exist_ok=True)
+    # On the cache's file system, so that the finished tar is renamed into place: a
+    # run killed half-way leaves no tarball that looks complete.
+    with tempfile.TemporaryDirectory(dir=BASE_CACHE, prefix="making-") as work:
+        rootfs = Path(work) / "rootfs"
+        # In a mount namespace of its own: the /proc and /sys debootstrap mounts in the
+        # tree go with it, even if it is killed half-way.
+        _run(["unshare", "--mount", "--", "debootstrap", "--variant=minbase", f"--arch={arch}",
+              SUITE, str(rootfs), MIRROR],
+             timeout_s=600, log=Path(work) / "debootstrap.log")  # fmt: skip
+        (rootfs / "etc/apt/sources.list").unlink(missing_ok=True)
+        (rootfs / "etc/apt/sources.list.d/debian.sources").write_text(DEBIAN_SOURCES)
+        # As a slim image: no package lists or downloaded packages, and no device nodes
+        # (a container runtime makes /dev).
+        partial = Path(work) / "base.tar"
+        _run(["tar", "-C", str(rootfs), "--numeric-owner", "--exclude=./dev/*",
+              "--exclude=./var/cache/apt/archives/*.deb", "--exclude=./var/cache/apt/*.bin",
+              "--exclude=./var/lib/apt/lists/*", "-cf", str(partial), "."],
+             timeout_s=300)  # fmt: skip
+        partial.replace(tarball)
+    return tarball
+
+
+class Podman:
+    """podman with every bit of its state under ``home``: storage (vfs: plain
+    directories, no mounts), run-time state, libpod's and the build's temporary files."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        (home / "tmp").mkdir(parents=True)
+        self.env = {**os.environ, "TMPDIR": str(home / "tmp")}
+        self.command = [
+            "podman", "--root", str(home / "storage"), "--runroot", str(home / "run"),
+            "--tmpdir", str(home / "libpod"), "--storage-driver", "vfs",
+            # No systemd here, and nothing of the host's journal or cgroups to touch.
+            "--cgroup-manager", "cgroupfs", "--events-backend", "file",
+        ]  # fmt: skip
+
+    def __call__(self, *args: str, timeout_s: float = 120, log: Path | None = None) -> str:
+        return _run([*self.command, *args], timeout_s=timeout_s, env=self.env, log=log)
+
+
+@dataclass(frozen=True)
+class Image:
+    """The built image: its ``podman image inspect``, its root file system (a directory
+    of podman's vfs storage: read it, never write it), and its size beyond the base."""
+
+    inspect: dict[str, Any]
+    root: Path
+    added_bytes: int
+
+    @property
+    def config(self) -> dict[str, Any]:
+        config: dict[str, Any] = self.inspect["Config"]
+        return config
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(item.split("=", 1) for item in self.config["Env"])
+
+    @property
+    def user(self) -> tuple[int, int]:
+        uid, _, gid = self.config["User"].partition(":")
+        return int(uid), int(gid)
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
+    """The image built from the working tree on a debootstrapped base."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: debootstrap, podman's storage, chroot and mounts")
+    for tool in ("podman", "debootstrap", "unshare", "chroot"):
+        assert shutil.which(tool), f"{tool} is missing (`make system-deps` installs it)"
+    system_cache_existed = PODMAN_SYSTEM_CACHE.exists()
+    home = tmp_path_factory.mktemp("podman")
+    podman = Podman(home)
+    try:
+        podman("import", str(_base_tarball()), BASE_REF, timeout_s=300)
+        build = ["build", "--isolation=chroot", "--format=docker", "--pull=never",
+                 # One layer per stage: each commit copies the whole tree on vfs.
+                 "--layers=false", "--file", str(DOCKERFILE), "--ignorefile", str(IGNOREFILE),
+                 "--build-arg", f"BASE={BASE_REF}", "--tag", IMAGE_REF]  # fmt: skip
+        if HOST_CA_BUNDLE.exists():
+            # pip trusts what this host trusts: a network that re-signs TLS has its CA here.
+            build += ["--volume", f"{HOST_CA_BUNDLE}:/run/pip-ca.pem:ro",
+                      "--build-arg", "PIP_CERT=/run/pip-ca.pem"]  # fmt: skip
+        podman(*build, str(REPO), timeout_s=600, log=home / "build.log")
+        (inspect,) = json.loads(podman("image", "inspect", IMAGE_REF))
+        (base,) = json.loads(podman("image", "inspect", BASE_REF))
+        root = Path(podman("image", "mount", IMAGE_REF).strip())
+        try:
+            yield Image(inspect, root, int(inspect["Size"]) - int(base["Size"]))
+        finally:
+            podman("image", "unmount", IMAGE_REF)
+    finally:
+        with Path("/proc/self/mountinfo").open() as mounts:
+            left = [line for line in mounts if str(home) in line]
+        shutil.rmtree(home, ignore_errors=not left)  # never into a mount left behind
+        if not system_cache_existed:
+            shutil.rmtree(PODMAN_SYSTEM_CACHE, ignore_errors=True)
+        assert not left, f"mounts left behind: {left}"
+
+
+def test_image_config(image: Image) -> None:
+    """User, volume, ports, health check and environment are what deploy/README.md says."""
+    config = image.config
+    uid, gid = image.user
+    assert uid != 0 and gid != 0
+    passwd = {line.split(":")[2]: line.split(":") for line in
+              (image.root / "etc/passwd").read_text().splitlines()}  # fmt: skip
+    assert passwd[str(uid)][0] == "snowflake"
+    assert passwd[str(uid)][5] == "/var/lib/snowflake"
+    state = image.root / "var/lib/snowflake"
+    assert (state.stat().st_uid, state.stat().st_gid) == (uid, gid)
+
+    assert set(config["Volumes"]) == {"/var/lib/snowflake"}
+    defaults = ServerSettings()
+    assert set(config["ExposedPorts"]) == {f"{defaults.port}/tcp", f"{defaults.metrics_port}/tcp"}
+    assert config["Entrypoint"] == ["/opt/snowflake/bin/snowflake-server"]
+    assert config.get("StopSignal") == "SIGTERM"
+
+    health = image.inspect["Healthcheck"]
+    assert health["Test"][0] == "CMD", "exec form: the image has no need of a shell for it"
+    assert "/readyz" in " ".join(health["Test"])
+    assert 0 < health["Timeout"] < health["Interval"]
+
+    env = image.env
+    assert {k: env.get(k) for k in ("SNOWFLAKE_HOST", "SNOWFLAKE_METRICS_HOST",
+                                    "SNOWFLAKE_STATE_DIR", "SNOWFLAKE_LOG_FORMAT")} == {
+        "SNOWFLAKE_HOST": "0.0.0.0", "SNOWFLAKE_METRICS_HOST": "0.0.0.0",
+        "SNOWFLAKE_STATE_DIR": "/var/lib/snowflake", "SNOWFLAKE_LOG_FORMAT": "json",
+    }  # fmt: skip
+    options = {option.env for option in OPTIONS}
+    unknown = {k for k in env if k.startswith("SNOWFLAKE_")} - options
+    assert not unknown, f"the image sets variables no option reads: {unknown}"
+
+
+def test_image_is_small_and_has_no_build_tools(image: Image) -> None:
+    """Only the runtime is left: no compiler, no pip, no apt lists."""
+    assert image.added_bytes < MAX_ADDED_MB * 1_000_000, f"{image.added_bytes / 1e6:.0f} MB"
+    tools = [p.name for p in (image.root / "usr/bin").iterdir()]
+    assert not [t for t in tools if t in ("cc", "c++", "ld") or "gcc" in t or "clang" in t]
+    for path in ("opt/snowflake/bin/pip", "usr/lib/python3/dist-packages/pip"):
+        assert not (image.root / path).exists(), path
+    assert not any((image.root / "var/lib/apt/lists").glob("*_Packages"))
+    assert (image.root / "opt/snowflake/bin/snowflake-server").is_file()
+
+
+# Run from a private mount namespace, as PID 1 of a new PID namespace: the root read only
+# and the state directory bound onto the volume's path, /proc of the new namespace and the
+# devices a container runtime gives. The kernel undoes every mount when the namespace's
+# last process exits, however it exits. The script runs in the host's /bin/sh; only the
+# server runs in the image's root.
+_CONTAINER = """\
+set -eu
+root=$1 state=$2 userspec=$3; shift 3
+mount --bind "$root" "$root"
+mount --bind "$state" "$root/var/lib/snowflake"
+mount -o remount,bind,ro "$root"
+mount -t proc -o nosuid,nodev,noexec proc "$root/proc"
+mount -t tmpfs -o nosuid,mode=0755,size=64k tmpfs "$root/dev"
+for dev in null zero full random urandom; do
+    touch "$root/dev/$dev" && mount --bind "/dev/$dev" "$root/dev/$dev"
+done
+exec chroot --userspec="$userspec" "$root" "$@"
+"""
+
+
+class Container:
+    """``snowflake-server`` running from the image, started by :meth:`start`."""
+
+    def __init__(self, image: Image, state: Path, env: Mapping[str, str]) -> None:
+        uid, gid = image.user
+        self.image = image
+        self.env = {**image.env, **env}
+        self.command = [
+            "unshare", "--mount", "--pid", "--fork", "--kill-child", "--",
+            "sh", "-c", _CONTAINER, "container", str(image.root), str(state), f"{uid}:{gid}",
+            *image.config["Entrypoint"],
+        ]  # fmt: skip
+        self.stderr: IO[str] = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by kill()
+        self.process: subprocess.Popen[str] | None = None
+
+    def start(self, timeout_s: float = 30) -> ReadyLine:
+        """Start it, and return its ready line's addresses once it prints it."""
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE,
+                                        stderr=self.stderr, text=True, env=self.env)  # fmt: skip
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            while selector.select(max(0.0, deadline - time.monotonic())):
+                line = self.process.stdout.readline()
+                if not line:
+                    break
+                ready = parse_ready_line(line.strip())
+                if ready is not None:
+                    return ready
+        raise AssertionError(
+            f"no ready line within {timeout_s} s (rc={self.process.poll()}):\n{self.log()}"
+        )
+
+    @property
+    def server_pid(self) -> int:
+        """The server's PID as this namespace sees it: unshare's one child."""
+        assert self.process is not None
+        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        (pid,) = children.read_text().split()
+        return int(pid)
+
+    def log(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()
+
+    def healthcheck(self, metrics_port: int) -> int:
+        """The image's HEALTHCHECK command, run in its root as its user; its exit code.
+
+        The server listens on a free port here: the command is given it as a
+        container's environment would (SNOWFLAKE_METRICS_PORT)."""
+        uid, gid = self.image.user
+        test = self.image.inspect["Healthcheck"]["Test"]
+        env = {**self.env, "SNOWFLAKE_METRICS_PORT": str(metrics_port)}
+        return subprocess.run(
+            ["chroot", f"--userspec={uid}:{gid}", str(self.image.root), *test[1:]],
+            env=env,
+            capture_output=True,
+            timeout=30,
+            check=False,
+        ).returncode
+
+    def terminate(self) -> None:
+        """SIGTERM to the server, PID 1 of its namespace, as a runtime stops a container."""
+        os.kill(self.server_pid, signal.SIGTERM)
+
+    def wait(self, timeout_s: float = 30) -> int:
+        """The server's exit code, once it has exited."""
+        assert self.process is not None
+        return self.process.wait(timeout_s)
+
+    def kill(self) -> None:
+        """However the test went: no process of it left (killing PID 1 of a PID
+        namespace kills the namespace), stdout and stderr closed."""
+        if self.process is not None:
+            if self.process.poll() is None:
+                with contextlib.suppress(ValueError, OSError):
+                    os.kill(self.server_pid, signal.SIGKILL)
+                self.process.kill()
+                self.process.wait(10)
+            assert self.process.stdout is not None
+            self.process.stdout.close()
+        self.stderr.close()
+
+
+@pytest.fixture
+def container_env() -> dict[str, str]:
+    """Loopback only, free ports, and a host lock of its own (the server shares this
+    host's network namespace, where other tests' servers hold worker 0's lock)."""
+    return {
+        "SNOWFLAKE_HOST": "127.0.0.1",
+        "SNOWFLAKE_METRICS_HOST": "127.0.0.1",
+        "SNOWFLAKE_PORT": "0",
+        "SNOWFLAKE_METRICS_PORT": "0",
+        "SNOWFLAKE_HOST_LOCK_SCOPE": f"test-{uuid.uuid4().hex[:12]}",
+        # Long enough to see the drain from outside on a busy machine.
+        "SNOWFLAKE_DRAIN_SECONDS": "5",
+    }
+
+
+@pytest.fixture
+def volume(image: Image, tmp_path: Path) -> Path:
+    """An empty volume for the state directory, owned by the image's user (as
+    Kubernetes' fsGroup, or Docker copying the image's directory, leaves it)."""
+    path = tmp_path / "volume"
+    path.mkdir(mode=0o700)
+    os.chown(path, *image.user)
+    return path
+
+
+def _http_get(address: tuple[str, int], path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{address[0]}:{address[1]}{path}", timeout=5) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read().decode()
+
+
+def test_server_runs_from_the_image(
+    image: Image, volume: Path, container_env: dict[str, str]
+) -> None:
+    """As the image's user, read-only root, state in the volume: serves ids, is ready,
+    passes its HEALTHCHECK, fails it while draining after SIGTERM, exits 0; a second
+    start on the same volume finds the high-water mark and goes on above the first's ids."""
+    container = Container(image, volume, container_env)
+    try:
+        ready = container.start()
+        assert ready.thrift[0] == "127.0.0.1" and ready.metrics[0] == "127.0.0.1"
+        with SnowflakeClient(*ready.thrift, agent="image-test") as client:
+            issued = [client.next_id(), *client.next_ids(100)]
+            assert issued == sorted(set(issued))
+            assert client.worker_id() == 0
+        assert _http_get(ready.metrics, "/readyz")[0] == 200
+        assert _http_get(ready.metrics, "/livez")[0] == 200
+        assert container.healthcheck(ready.metrics[1]) == 0
+
+        status = dict(
+            line.split(":", 1)
+            for line in Path(f"/proc/{container.server_pid}/status").read_text().splitlines()
+        )
+        assert status["Uid"].split()[:2] == [str(image.user[0])] * 2, "the image's user"
+        assert status["NSpid"].split()[-1] == "1", "PID 1 of its namespace, as in a container"
+
+        container.terminate()
+        wait_until(lambda: container.healthcheck(ready.metrics[1]) != 0,
+                   "the HEALTHCHECK failing (/readyz 503) after SIGTERM")  # fmt: skip
+        # Still draining: ids are still served (SNOWFLAKE_DRAIN_SECONDS).
+        with SnowflakeClient(*ready.thrift, agent="image-test") as client:
+            issued.append(client.next_id())
+        assert container.wait() == 0, container.log()
+        assert container.healthcheck(ready.metrics[1]) != 0
+        log = container.log()
+    finally:
+        container.kill()
+    lines = [line for line in log.splitlines() if line.strip()]
+    assert lines and all(isinstance(json.loads(line), dict) for line in lines), log
+
+    marks = list(volume.iterdir())
+    assert marks, "the high-water mark is kept in the volume"
+    assert all(mark.stat().st_uid == image.user[0] for mark in marks)
+
+    again = Container(image, volume, {**container_env, "SNOWFLAKE_DRAIN_SECONDS": "0"})
+    try:
+        ready = again.start()
+        with SnowflakeClient(*ready.thrift, agent="image-test") as client:
+            assert client.next_id() > issued[-1]
+        status_code, metrics = _http_get(ready.metrics, "/metrics")
+        assert status_code == 200
+        assert "snowflake_first_starts_total 0.0" in metrics, "the mark was found"
+        again.terminate()
+        assert again.wait() == 0, again.log()
+    finally:
+        again.kill()
