@@ -50,8 +50,9 @@ $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	touch $@
 
 # The services a package enables when installed (podman: its socket, timer and services;
-# systemd itself, where it was missing: a getty) are disabled and stopped again at once:
-# the test suite must leave no service behind. Only links the install added are touched.
+# systemd itself, where it was missing: a getty) are disabled at once, and stopped where
+# systemd runs: the test suite must leave no service behind. Only units that the install
+# enabled are touched (init scripts' links are removed; nothing runs them under systemd).
 ENABLED_UNITS := { find /etc/systemd/system /etc/systemd/user -path '*.wants/*'; \
 	find /etc/rc0.d /etc/rc1.d /etc/rc2.d /etc/rc3.d /etc/rc4.d /etc/rc5.d /etc/rc6.d \
 	/etc/rcS.d -name 'S*'; } 2>/dev/null | sort

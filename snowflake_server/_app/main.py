@@ -15,6 +15,7 @@ worker held by another process).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -29,6 +30,9 @@ __all__ = ["main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``snowflake-server``."""
+    # SIGHUP (a log rotation) must not end a server still starting: ignored until the
+    # server's own handler takes over (children of the supervisor inherit this).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         settings = load_settings(argv, os.environ)
     except ConfigurationError as e:

@@ -49,7 +49,7 @@ from .._version import __version__
 from .notify import Notifier
 from .ready import ready_line
 
-__all__ = ["Mode", "Node", "clustered", "serve", "standalone"]
+__all__ = ["Mode", "Node", "clustered", "on_signal", "serve", "standalone"]
 
 log = logging.getLogger("snowflake_server")
 
@@ -292,6 +292,19 @@ class _Each(Collector):
             yield from collector.collect()
 
 
+def on_signal(signum: signal.Signals, action: Callable[[str], None]) -> None:
+    """Run ``action(signal name)`` on a thread of its own each time ``signum`` arrives.
+
+    Never in the handler itself: the handler interrupts the main thread anywhere, maybe
+    holding a lock (logging's, the readiness phase's) that the action needs."""
+
+    def handler(received: int, _frame: object) -> None:
+        name = signal.Signals(received).name
+        threading.Thread(target=action, args=(name,), name=name.lower(), daemon=True).start()
+
+    signal.signal(signum, handler)
+
+
 def serve(settings: ServerSettings, log_file: LogFile | None = None) -> int:
     """Run a server with ``settings`` until SIGTERM/SIGINT; return the exit code.
 
@@ -302,15 +315,18 @@ def serve(settings: ServerSettings, log_file: LogFile | None = None) -> int:
     node = Node(settings)
     node.start()
     try:
-        draining = threading.Event()
+        stops = 0
+        stops_lock = threading.Lock()
 
-        def on_stop(signum: int, _frame: object) -> None:
-            name = signal.Signals(signum).name
-            if draining.is_set():
+        def stop(name: str) -> None:
+            nonlocal stops
+            with stops_lock:
+                stops += 1
+                first = stops == 1
+            if not first:
                 log.info("received %s again: stopping now", name)
                 node.request_stop()
                 return
-            draining.set()
             log.info(
                 "received %s: not ready from now; serving %g s more, then finishing the "
                 "calls in flight", name, settings.drain_seconds,
@@ -319,20 +335,18 @@ def serve(settings: ServerSettings, log_file: LogFile | None = None) -> int:
             notifier.stopping(f"draining for {settings.drain_seconds:g} s")
             node.drain()
 
-        def on_reload(_signum: int, _frame: object) -> None:
-            # Off the signal handler: reopening takes locks the interrupted code may hold.
-            threading.Thread(target=reload, name="sighup", daemon=True).start()
-
         def reload() -> None:
             notifier.reloading()
-            if log_file is not None:
-                log_file.reopen()
-            node.reload()
-            notifier.reloaded("serving")
+            try:
+                if log_file is not None:
+                    log_file.reopen()
+                node.reload()
+            finally:
+                notifier.reloaded("serving")
 
-        signal.signal(signal.SIGTERM, on_stop)
-        signal.signal(signal.SIGINT, on_stop)
-        signal.signal(signal.SIGHUP, on_reload)
+        on_signal(signal.SIGTERM, stop)
+        on_signal(signal.SIGINT, stop)
+        on_signal(signal.SIGHUP, lambda _name: reload())
         ids = node.mode.source.settings if node.mode is not None else settings.ids
         log.info(
             "serving %s/binary on %s:%d (datacenter %d, worker %d); metrics on "

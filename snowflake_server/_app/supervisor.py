@@ -40,6 +40,7 @@ from .._observability.admin import AdminServer
 from .._observability.logs import LogFile
 from .._observability.probes import Readiness
 from .._thrift.server import listen_socket
+from .node import on_signal
 from .notify import NOTIFY_SOCKET_ENV, Notifier
 from .ready import parse_ready_line, ready_line
 
@@ -104,7 +105,11 @@ class _Child:
         # the supervisor talks to systemd.
         env = {k: v for k, v in os.environ.items() if k != NOTIFY_SOCKET_ENV}
         env[SUPERVISOR_PID_ENV] = str(os.getpid())
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+        # A group of its own: a terminal's Ctrl-C reaches the supervisor only, which
+        # passes it on (so a drain is the supervisor's decision, as with SIGTERM).
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, text=True, env=env, process_group=0
+        )
         assert self.process.stdout is not None
         with selectors.DefaultSelector() as selector:
             selector.register(self.process.stdout, selectors.EVENT_READ)
@@ -216,10 +221,10 @@ class Supervisor:
             self._stop_children()
             raise
         admin.start()
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGHUP, self._on_reload)
         self._readiness.serving()
+        on_signal(signal.SIGTERM, self._on_stop)
+        on_signal(signal.SIGINT, self._on_stop)
+        on_signal(signal.SIGHUP, lambda _name: self._reload())
         metrics_host, metrics_port = admin.address
         log.info("%d processes serving on %s:%d", settings.processes, settings.host, port)
         print(ready_line((settings.host, port), (metrics_host, metrics_port)), flush=True)
@@ -231,24 +236,27 @@ class Supervisor:
             admin.stop()
         return code
 
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        log.info("received %s: stopping %d processes", signal.Signals(signum).name,
-                 len(self._children))  # fmt: skip
+    def _on_stop(self, name: str) -> None:
+        if self._stop.is_set():
+            # Again: pass it on, so that each process skips the rest of its drain.
+            log.info("received %s again: stopping %d processes now", name, len(self._children))
+            self._signal_children(signal.SIGTERM)
+            return
+        log.info("received %s: stopping %d processes", name, len(self._children))
         self._readiness.draining()
         self._notifier.stopping(f"draining for {self._settings.drain_seconds:g} s")
         self._stop.set()
 
-    def _on_reload(self, _signum: int, _frame: object) -> None:
-        # Off the signal handler: reopening takes locks the interrupted code may hold.
-        threading.Thread(target=self._reload, name="sighup", daemon=True).start()
-
     def _reload(self) -> None:
         if self._log_file is not None:
             self._log_file.reopen()
+        self._signal_children(signal.SIGHUP)
+
+    def _signal_children(self, signum: signal.Signals) -> None:
         for child in self._children:
             if child.alive():
                 assert child.process is not None
-                child.process.send_signal(signal.SIGHUP)
+                child.process.send_signal(signum)
 
     def _watch(self) -> None:
         while not self._stop.wait(0.5):
@@ -264,10 +272,7 @@ class Supervisor:
 
     def _stop_children(self) -> int:
         code = 0
-        for child in self._children:
-            if child.alive():
-                assert child.process is not None
-                child.process.send_signal(signal.SIGTERM)
+        self._signal_children(signal.SIGTERM)
         deadline = time.monotonic() + self._settings.drain_seconds + _STOP_TIMEOUT_S
         for child in self._children:
             if child.process is None:

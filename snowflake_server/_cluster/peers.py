@@ -6,9 +6,11 @@ those registered at its address (worker or datacenter insanity), a layout
 other than ours (layout insanity), an unreachable peer, or a mean clock offset
 beyond ``--max-peer-skew`` refuses start-up. A peer without ``get_layout``
 (Twitter's server) is not asked for it; the layout recorded in ZooKeeper
-covers it. A peer refusing connections is asked again for a few seconds: a
-node registers first and starts listening just after (it listens only once it
-can serve), so a check in between meets a refused connection.
+covers it. A peer refusing connections is asked again for a while: a node
+registers first and listens only once it can serve, which may take its start-up
+waits (``--first-start-wait``, then ``--max-startup-wait`` for its clock; the
+cluster's nodes are assumed to share them), so a check in between meets a
+refused connection.
 """
 
 from __future__ import annotations
@@ -29,15 +31,21 @@ from .._config.settings import ClusterSettings
 from .._errors import StartupRefused
 from .zkmarks import describe_layout, zk_call
 
-__all__ = ["check_peers", "children"]
+__all__ = ["check_peers", "children", "refused_retry_s"]
 
 log = logging.getLogger(__name__)
 
 _PEER_TIMEOUT_S = 1.0
-REFUSED_RETRY_S = 5.0
-"""How long a peer that refuses connections is asked again (a registered node
-listens within milliseconds of registering, unless it is gone)."""
 _REFUSED_POLL_S = 0.05
+_MAX_STARTUP_COUNTED_S = 60.0  # an unbounded --max-startup-wait counts as this much
+_REFUSED_MARGIN_S = 5.0
+
+
+def refused_retry_s(settings: ClusterSettings) -> float:
+    """How long a registered peer that refuses connections is asked again: as long as
+    a node may take between registering and listening, and a margin."""
+    startup = min(settings.max_startup_wait, _MAX_STARTUP_COUNTED_S)
+    return settings.first_start_wait + startup + _REFUSED_MARGIN_S
 
 
 def children(client: Any, path: str, timeout_s: float = 10.0) -> list[str]:
@@ -82,8 +90,9 @@ def check_peers(
     # which refuses connections until we listen).
     registered.pop(address, None)
     transport, layout = settings.transport, settings.layout
+    retry_s = refused_retry_s(settings)
     skews = [
-        (peer, _check_peer(peer, ids, transport, clock, layout, sleep))
+        (peer, _check_peer(peer, ids, transport, clock, layout, _Dial(sleep, retry_s)))
         for peer, ids in registered.items()
     ]
     if not skews:
@@ -107,7 +116,7 @@ def _check_peer(
     transport: str,
     clock: Callable[[], int],
     layout: Layout,
-    sleep: Callable[[float], object],
+    dial: _Dial,
 ) -> int:
     """The peer's clock minus ours, in ms, after checking its ids against the
     (datacenter, worker) pairs registered at its address, and its layout against ours.
@@ -122,7 +131,7 @@ def _check_peer(
     answered: set[tuple[int, int]] = set()
     skew: int | None = None
     for _ in range(8 * len(registered)):
-        pair, offset, theirs = _ask_peer(peer, where, transport, clock, sleep)
+        pair, offset, theirs = _ask_peer(peer, where, transport, clock, dial)
         if theirs is None:
             log.warning(
                 "%s has no get_layout (Twitter's server?): its layout is not checked; the "
@@ -152,37 +161,38 @@ def _check_peer(
     )
 
 
-def _connect(host: str, port: int, transport: str, sleep: Callable[[float], object]) -> Any:
-    """A client of the peer, asked again while it refuses connections (for at most
-    ``REFUSED_RETRY_S``); any other failure, or a refusal for longer, raises."""
-    tries = int(REFUSED_RETRY_S / _REFUSED_POLL_S)
-    for _ in range(tries):
+class _Dial:
+    """Opens clients of peers, asking a peer that refuses connections again every
+    ``_REFUSED_POLL_S`` for at most ``retry_s`` (``sleep`` waits between tries)."""
+
+    def __init__(self, sleep: Callable[[float], object], retry_s: float) -> None:
+        self._sleep = sleep
+        self.retry_s = retry_s
+
+    def __call__(self, host: str, port: int, transport: str) -> Any:
+        for _ in range(int(self.retry_s / _REFUSED_POLL_S)):
+            try:
+                return open_client(host, port, transport, _PEER_TIMEOUT_S)
+            except TTransportException as e:
+                if not isinstance(e.__context__, ConnectionRefusedError):
+                    raise
+            self._sleep(_REFUSED_POLL_S)
         try:
             return open_client(host, port, transport, _PEER_TIMEOUT_S)
         except TTransportException as e:
-            if not isinstance(e.__context__, ConnectionRefusedError):
-                raise
-        sleep(_REFUSED_POLL_S)
-    try:
-        return open_client(host, port, transport, _PEER_TIMEOUT_S)
-    except TTransportException as e:
-        raise TTransportException(
-            e.type, f"{e.message}: refused connections for {REFUSED_RETRY_S:g} s"
-        ) from None
+            raise TTransportException(
+                e.type, f"{e.message}: refused connections for {self.retry_s:g} s"
+            ) from None
 
 
 def _ask_peer(
-    peer: str,
-    where: str,
-    transport: str,
-    clock: Callable[[], int],
-    sleep: Callable[[float], object],
+    peer: str, where: str, transport: str, clock: Callable[[], int], dial: _Dial
 ) -> tuple[tuple[int, int], int, Layout | None]:
     """One connection: the (datacenter, worker) that answers, its clock minus ours,
     and its layout (None if it has no ``get_layout``)."""
     host, _, port = peer.rpartition(":")
     try:
-        client = _connect(host, int(port), transport, sleep)
+        client = dial(host, int(port), transport)
         try:
             peer_worker = client.get_worker_id()
             peer_dc = client.get_datacenter_id()

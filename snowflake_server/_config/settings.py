@@ -84,6 +84,8 @@ class ClusterSettings:
     skip_sanity_checks: bool
     zk_session_timeout: float
     zk_connect_timeout: float
+    first_start_wait: float
+    max_startup_wait: float
 
     @property
     def auto_worker_id(self) -> bool:

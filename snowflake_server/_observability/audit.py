@@ -109,6 +109,9 @@ class AuditLog(Collector):
             log.error("cannot reopen the audit log %s: %s; still writing the old one", self.path, e)
             return False
         with self._file_lock:
+            if self._file.closed:  # closed meanwhile: the server is stopping
+                new.close()
+                return False
             old, self._file = self._file, new
         old.close()
         return True
@@ -120,7 +123,8 @@ class AuditLog(Collector):
             self._thread.join()
         else:
             self._write_all()
-        self._file.close()
+        with self._file_lock:
+            self._file.close()
 
     def collect(self) -> Iterable[Metric]:
         yield CounterMetricFamily(

@@ -229,9 +229,18 @@ class Reservation(Collector):
 
     @property
     def failing(self) -> str | None:
-        """Why the latest write of the marks failed, or None if it succeeded: while it
-        fails, calls fail as soon as the stored ceiling is passed (within a second)."""
-        return self._last_error or None
+        """Why the marks are not being kept ahead of the clock, or None: the latest
+        write failed (calls fail once the stored ceiling is passed, within a second),
+        or no stored mark covers now (a write that hangs: calls fail already)."""
+        if self._stop.is_set():
+            return None  # finished: the generator is sealed on purpose
+        with self._changed:
+            if self._last_error:
+                return self._last_error
+            now = self._clock()
+            if self._ceiling < now:
+                return self._behind(now)
+        return None
 
     def _behind(self, now_ms: int) -> str:
         """Why no mark covers ``now_ms`` yet (caller holds ``_changed``)."""

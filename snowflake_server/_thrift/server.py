@@ -24,6 +24,7 @@ import logging
 import resource
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -125,7 +126,8 @@ class ThriftServer:
         self._heartbeat = heartbeat
         self._listener: socket.socket | None = None
         self._listening = False
-        self._stop_requested = False
+        self._stop_at: float | None = None  # monotonic; a stop asked before the loop ran
+        self._stop_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._shared: Shared | None = None
@@ -146,10 +148,19 @@ class ThriftServer:
 
     def listen(self) -> None:
         """Start accepting connections (into the backlog until :meth:`serve_forever`
-        serves them): call it once the node can serve."""
+        serves them): call it once the node can serve. Raises ``ConfigurationError``
+        if another socket took the port meanwhile."""
         if self._listener is None:
             raise RuntimeError("bind() first")
-        self._listener.listen(self._backlog)
+        try:
+            self._listener.listen(self._backlog)
+        except OSError as e:
+            # Another socket bound the port while neither listened (SO_REUSEADDR allows
+            # that) and listened first: a port in use, found only now.
+            settings = self._settings
+            raise ConfigurationError(
+                f"cannot listen on {settings.host}:{settings.port}: {e}"
+            ) from None
         self._listening = True
 
     def set_tls(self, tls: ssl.SSLContext) -> None:
@@ -162,10 +173,12 @@ class ThriftServer:
         """Ask :meth:`serve_forever` to stop, in ``after_s`` seconds (serving on until
         then). Safe from a signal handler or any thread; a later request with a
         shorter delay wins."""
-        loop, stop = self._loop, self._stop
-        if loop is None or stop is None:
-            self._stop_requested = True  # asked before the loop exists: stop at once
-            return
+        with self._stop_lock:
+            loop, stop = self._loop, self._stop
+            if loop is None or stop is None:  # asked before the loop runs: it stops then
+                at = time.monotonic() + after_s
+                self._stop_at = at if self._stop_at is None else min(self._stop_at, at)
+                return
         with contextlib.suppress(RuntimeError):  # the loop has already closed
             if after_s > 0:
                 loop.call_soon_threadsafe(loop.call_later, after_s, stop.set)
@@ -221,10 +234,11 @@ class ThriftServer:
         )
         shared.on_closed = lambda: None if shared.connections else all_closed.set()
         self._shared = shared
-        self._stop = asyncio.Event()
-        self._loop = loop
-        if self._stop_requested:  # asked before the loop existed
-            self._stop.set()
+        stop = asyncio.Event()
+        with self._stop_lock:
+            self._stop, self._loop = stop, loop
+            if self._stop_at is not None:  # asked before the loop existed
+                loop.call_later(max(0.0, self._stop_at - time.monotonic()), stop.set)
         server = await loop.create_server(
             lambda: Connection(shared), sock=listener, backlog=self._backlog
         )

@@ -125,14 +125,15 @@ def _base_tarball() -> Path:
 
 class Podman:
     """podman with every bit of its state under ``home``: storage (vfs: plain
-    directories, no mounts), run-time state, libpod's and the build's temporary files."""
+    directories, no mounts), libpod's and the build's temporary files; its run-time
+    state in ``run`` (podman refuses a path longer than 50 characters there)."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, run: Path) -> None:
         self.home = home
         (home / "tmp").mkdir(parents=True)
         self.env = {**os.environ, "TMPDIR": str(home / "tmp")}
         self.command = [
-            "podman", "--root", str(home / "storage"), "--runroot", str(home / "run"),
+            "podman", "--root", str(home / "storage"), "--runroot", str(run),
             "--tmpdir", str(home / "libpod"), "--storage-driver", "vfs",
             # No systemd here, and nothing of the host's journal or cgroups to touch.
             "--cgroup-manager", "cgroupfs", "--events-backend", "file",
@@ -175,7 +176,8 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
         assert shutil.which(tool), f"{tool} is missing (`make system-deps` installs it)"
     system_cache_existed = PODMAN_SYSTEM_CACHE.exists()
     home = tmp_path_factory.mktemp("podman")
-    podman = Podman(home)
+    run = Path(tempfile.mkdtemp(prefix="sf-podman-", dir="/tmp"))
+    podman = Podman(home, run)
     try:
         podman("import", str(_base_tarball()), BASE_REF, timeout_s=300)
         build = ["build", "--isolation=chroot", "--format=docker", "--pull=never",
@@ -198,6 +200,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
         with Path("/proc/self/mountinfo").open() as mounts:
             left = [line for line in mounts if str(home) in line]
         shutil.rmtree(home, ignore_errors=not left)  # never into a mount left behind
+        shutil.rmtree(run, ignore_errors=True)
         if not system_cache_existed:
             shutil.rmtree(PODMAN_SYSTEM_CACHE, ignore_errors=True)
         assert not left, f"mounts left behind: {left}"

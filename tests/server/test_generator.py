@@ -549,3 +549,19 @@ def test_a_thread_that_must_not_wait_never_waits_for_a_reservation() -> None:
     assert gen.counters() == before and reserved == [] and clock() == T0 + 1
     gen.next_id()  # on a thread that may wait: reserves
     assert reserved == [T0 + 1] and gen.counters().reservation_stalls == 1
+
+
+def test_clock_refusal_says_why_calls_would_be_refused_now() -> None:
+    clock = FakeClock(T0)
+    generator = IdGenerator(GeneratorSettings(max_backwards_ms=5), clock=clock, sleep=clock.sleep)
+    generator.next_id()
+    assert generator.clock_refusal() is None
+    clock.now -= 5
+    assert generator.clock_refusal() is None, "within --max-backwards-ms: waited out"
+    clock.now -= 1
+    assert generator.clock_refusal() == (
+        "the clock is 6 ms behind the newest id (more than --max-backwards-ms 5): calls "
+        "are refused with InvalidSystemClock"
+    )
+    with pytest.raises(ClockMovedBackwardsError):
+        generator.next_id()

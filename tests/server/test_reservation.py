@@ -19,7 +19,7 @@ from snowflake_server import (
 from snowflake_server._state.reservation import MarkStore, Reservation, wait_for_clock
 from snowflake_server._state.statefile import StateFile
 from tests.support.fakes import FakeClock
-from tests.support.waiting import run_in_thread
+from tests.support.waiting import run_in_thread, wait_until
 
 T0 = 1_700_000_000_000
 
@@ -265,3 +265,38 @@ def test_finish_ends_the_wait_of_a_call_at_once() -> None:
     finishing.join(PROMPTLY_S)
     assert not finishing.is_alive()
     assert store.mark_ms == T0, "the exact last mark: no id after T0"
+
+
+def test_failing_says_why_while_the_marks_are_not_kept_ahead() -> None:
+    clock = FakeClock(T0)
+    store = SlowStore()
+    generator, reservation = started(clock, store, wait_s=0.05)
+    try:
+        assert reservation.failing is None
+        clock.now += 999
+        assert reservation.failing is None, "within the mark stored"
+        store.hold = True  # the next write hangs: no error, but no mark covers now
+        clock.now += 2
+        with pytest.raises(ReservationError):
+            generator.next_id()  # asks for the write, and gives up waiting for it
+        assert store.entered.wait(PROMPTLY_S)
+        failing = reservation.failing
+        assert failing is not None
+        assert failing.startswith(f"no high-water mark covers ms {T0 + 1001} ")
+        assert "it has been writing slow:/marks/0/0 for " in failing
+        store.hold = False
+        store.fail = OSError(28, "No space left on device")
+        store.go_on.set()  # the hung write ends, failing
+        wait_until(lambda: "cannot write" in str(reservation.failing), "the write's end")
+        assert reservation.failing == (
+            "cannot write the high-water mark to slow:/marks/0/0: [Errno 28] No space left "
+            "on device"
+        )
+        store.fail = None
+        clock.now += 1
+        assert decompose(generator.next_id()).timestamp_ms == T0 + 1002
+        assert reservation.failing is None, "written again"
+    finally:
+        store.go_on.set()
+        reservation.finish(generator, floor_ms=0)
+    assert reservation.failing is None, "finished: sealed on purpose"

@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import pytest
 import thriftpy2
@@ -16,8 +16,9 @@ from snowflake_thrift_client._idl import snowflake_thrift
 from thriftpy2.thrift import TApplicationException
 from thriftpy2.transport import TTransportException
 
-from snowflake_server import ServerSettings, decompose
+from snowflake_server import ConfigurationError, ServerSettings, decompose
 from snowflake_server._ids.clocks import wall_clock_ms
+from snowflake_server._thrift.server import ThriftServer
 from tests.support.endpoints import encode_call
 from tests.support.fakes import FakeClock
 from tests.support.inprocess import InProcessServer
@@ -236,3 +237,35 @@ def test_server_runs_as_the_console_script(tmp_path: Any) -> None:
     assert script, "the console script is installed"
     out = subprocess.run([script, "--help"], capture_output=True, text=True, check=True).stdout
     assert "SNOWFLAKE_WORKER_ID" in out and "--metrics-port" in out
+
+
+def test_the_thrift_port_refuses_connections_until_it_listens() -> None:
+    server = ThriftServer(
+        cast(Any, None), cast(Any, None), ServerSettings(port=0).thrift
+    )  # bind and listen use neither the processors nor the metrics
+    try:
+        _, port = server.bind()
+        with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
+            probe.connect(("127.0.0.1", port))
+        server.listen()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # queued in the backlog until served
+    finally:
+        server.close()
+
+
+def test_a_port_taken_between_bind_and_listen_is_a_configuration_error() -> None:
+    # SO_REUSEADDR lets two sockets bind one port while neither listens: the one that
+    # listens second learns of the clash only then.
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", 0))
+        port = other.getsockname()[1]
+        server = ThriftServer(cast(Any, None), cast(Any, None), ServerSettings(port=port).thrift)
+        try:
+            server.bind()
+            other.listen()
+            with pytest.raises(ConfigurationError, match=f"cannot listen on 127.0.0.1:{port}"):
+                server.listen()
+        finally:
+            server.close()

@@ -131,3 +131,16 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return status.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_second_sigterm_cuts_every_process_drain_short() -> None:
+    server = start_server("--processes", "2", "--drain-seconds", "60")
+    try:
+        server.process.send_signal(signal.SIGTERM)
+        wait_until(lambda: server.http_get("/readyz")[0] == 503, "not ready at once")
+        assert server.raw_client().get_id("drain") > 0, "the processes serve on meanwhile"
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(20) == 0, "stopped without waiting out the drain"
+    finally:
+        server.stop()
+    assert "again: stopping 2 processes now" in server.log()
