@@ -169,8 +169,11 @@ def test_an_unreachable_peer_blocks_start_unless_skipped(
     dead = f"127.0.0.1:{free_port()}"
     _fake_registration(zookeeper, f"{zk_path}/nodes/0/9", dead)
     with pytest.raises(ServerDidNotStart) as info:
-        start("--worker-id", "1")
+        # A peer refusing connections is asked again for as long as a start may take:
+        # --first-start-wait 0 + --max-startup-wait 1 + 5 s.
+        start("--worker-id", "1", "--max-startup-wait", "1", timeout_s=30)
     assert f"peer {dead} (registered as datacenter 0, worker 9) is unreachable" in info.value.log
+    assert "refused connections for 6 s" in info.value.log
     assert "--skip-sanity-checks" in info.value.log
     node = start("--worker-id", "1", "--skip-sanity-checks")
     assert node.raw_client().get_id("skip") > 0
