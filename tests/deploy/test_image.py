@@ -172,6 +172,11 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
     """The image built from the working tree on a debootstrapped base."""
     if os.geteuid() != 0:
         pytest.skip("needs root: debootstrap, podman's storage, chroot and mounts")
+    private = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True)
+    if private.returncode != 0:
+        # Inside a chroot / is not a mount point, so unshare cannot make the mounts
+        # private from it (EINVAL): no mount namespace to build or run the image in.
+        pytest.skip(f"needs a private mount namespace: {private.stderr.strip()}")
     for tool in ("podman", "debootstrap", "unshare", "chroot"):
         assert shutil.which(tool), f"{tool} is missing (`make system-deps` installs it)"
     system_cache_existed = PODMAN_SYSTEM_CACHE.exists()
