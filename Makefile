@@ -27,7 +27,7 @@ THRIFT_TOOLCHAINS := thrift:thrift-compiler \
 TEST_TOOLS := faketime:faketime /usr/share/java/zookeeper.jar:libzookeeper-java \
 	node:nodejs npm:npm $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS) \
 	podman:podman debootstrap:debootstrap systemd-analyze:systemd /bin/kill:procps
-BENCH_TOOLS := $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS)
+BENCH_TOOLS := $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS) wrk:wrk
 
 # make stubs: client code generated from the IDL by the Apache Thrift compiler into
 # $(CLIENTS)/<language>/gen-*, never committed (the IDL is the single source of truth).
@@ -162,8 +162,10 @@ test-fast: install prometheus-tools
 	PATH="$(abspath $(PROMETHEUS_BIN)):$$PATH" \
 	  $(BIN)/pytest -n $(PYTEST_WORKERS) -m "not zookeeper and not interop and not slow"
 
-# The benchmark harness (about 7 minutes; BENCH_ARGS=--quick for a smoke run of about
-# a minute): results in bench/results/<time>/ and bench/results/latest.md. It installs
+# The benchmark harness (about 9 minutes; BENCH_ARGS=--quick for a smoke run of about
+# two): results in bench/results/<time>/ and bench/results/latest.md; then the HTTP/JSON
+# API against Thrift (wrk against the load generator) and the asyncio client against
+# the sync pool, each printing its table. It installs
 # the toolchains it builds with, then builds into $(BENCH_BUILD) (git-ignored): the load
 # generator in C, and the Java and Go anchors from the stubs. The bench-* targets only
 # build (the tests build into folders of their own with BENCH_BUILD and CLIENTS).
@@ -181,6 +183,8 @@ GO_OFFLINE  := GOPROXY=off GOFLAGS=-mod=mod GOTOOLCHAIN=local \
 bench: $(VENV)/.installed bench-deps
 	$(MAKE) --no-print-directory bench-build
 	$(BIN)/python bench/run_bench.py --build $(BENCH_BUILD) $(BENCH_ARGS)
+	$(BIN)/python bench/http_api.py --build $(BENCH_BUILD) $(BENCH_ARGS)
+	$(BIN)/python bench/clients.py $(BENCH_ARGS)
 
 bench-deps:
 	@$(MAKE) --no-print-directory system-deps TEST_TOOLS='$(BENCH_TOOLS)'

@@ -150,6 +150,7 @@ class Node:
         self.liveness = Liveness()
         self.thrift_address = ("", 0)
         self.admin_address = ("", 0)
+        self.http_address: tuple[str, int] | None = None
 
     def start(self) -> None:
         """Build and open everything; on failure close what was opened and raise
@@ -172,6 +173,7 @@ class Node:
         # Bound, to fail early on a port in use and to be dialled by peers once
         # registered; not listening, so that nobody takes us for ready meanwhile.
         self.thrift_address = self._server.bind()
+        self.http_address = self._server.http_address
         self.admin_address = self._open_admin(mode, metrics)
         mode.join(self.thrift_address[1], self._cleanup.callback)
         self._server.listen()
@@ -360,7 +362,7 @@ def serve(settings: ServerSettings, log_file: LogFile | None = None) -> int:
                 "worker_id": ids.worker_id,
             },
         )  # fmt: skip
-        print(ready_line(node.thrift_address, node.admin_address), flush=True)
+        print(ready_line(node.thrift_address, node.admin_address, node.http_address), flush=True)
         notifier.ready(f"serving datacenter {ids.datacenter_id} worker {ids.worker_id}")
         node.run()
     finally:

@@ -14,15 +14,20 @@ READY_PREFIX = "snowflake-server ready"
 
 
 class ReadyLine(NamedTuple):
-    """The addresses a ready line announces, as ``(host, port)``."""
+    """The addresses a ready line announces, as ``(host, port)``; ``http`` only with
+    ``--http-port``."""
 
     thrift: tuple[str, int]
     metrics: tuple[str, int]
+    http: tuple[str, int] | None = None
 
 
-def ready_line(thrift: tuple[str, int], metrics: tuple[str, int]) -> str:
-    """``snowflake-server ready thrift=HOST:PORT metrics=HOST:PORT``."""
-    return f"{READY_PREFIX} thrift={thrift[0]}:{thrift[1]} metrics={metrics[0]}:{metrics[1]}"
+def ready_line(
+    thrift: tuple[str, int], metrics: tuple[str, int], http: tuple[str, int] | None = None
+) -> str:
+    """``snowflake-server ready thrift=HOST:PORT metrics=HOST:PORT[ http=HOST:PORT]``."""
+    line = f"{READY_PREFIX} thrift={thrift[0]}:{thrift[1]} metrics={metrics[0]}:{metrics[1]}"
+    return line + (f" http={http[0]}:{http[1]}" if http is not None else "")
 
 
 def parse_ready_line(line: str) -> ReadyLine | None:
@@ -35,4 +40,5 @@ def parse_ready_line(line: str) -> ReadyLine | None:
         host, _, port = text.rpartition(":")
         return host, int(port)
 
-    return ReadyLine(address(fields["thrift"]), address(fields["metrics"]))
+    http = address(fields["http"]) if "http" in fields else None
+    return ReadyLine(address(fields["thrift"]), address(fields["metrics"]), http)

@@ -184,13 +184,14 @@ class Supervisor:
         self._readiness = Readiness()  # its phase; the children's own checks are theirs
         self._notifier = Notifier(os.environ)
 
-    def _child_settings(self, index: int, port: int) -> ServerSettings:
+    def _child_settings(self, index: int, port: int, http_port: int) -> ServerSettings:
         settings = self._settings
         worker_id = settings.worker_id if settings.auto_worker_id else settings.worker_id + index
         # Checked as it is made: the consecutive worker id must fit the layout.
         return replace(
             settings,
             port=port,
+            http_port=http_port,
             processes=1,
             reuse_port=True,
             worker_id=worker_id,
@@ -201,18 +202,22 @@ class Supervisor:
     def run(self) -> int:
         settings = self._settings
         # Hold the port (SO_REUSEPORT, not listening) so that port 0 means one port for all.
-        holder = listen_socket(settings.host, settings.port, reuse_port=True)
-        port = holder.getsockname()[1]
+        holders = [listen_socket(settings.host, settings.port, reuse_port=True)]
+        if settings.thrift.http:
+            holders.append(listen_socket(settings.http_host, settings.http_port, reuse_port=True))
+        port = holders[0].getsockname()[1]
+        http_port = holders[1].getsockname()[1] if len(holders) > 1 else settings.http_port
         try:
             for index in range(settings.processes):
-                child = _Child(index, self._child_settings(index, port))
+                child = _Child(index, self._child_settings(index, port, http_port))
                 self._children.append(child)
                 child.start()
         except BaseException:
             self._stop_children()
             raise
         finally:
-            holder.close()
+            for holder in holders:
+                holder.close()
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_ChildrenMetrics(self._children))
         try:
@@ -227,7 +232,8 @@ class Supervisor:
         on_signal(signal.SIGHUP, lambda _name: self._reload())
         metrics_host, metrics_port = admin.address
         log.info("%d processes serving on %s:%d", settings.processes, settings.host, port)
-        print(ready_line((settings.host, port), (metrics_host, metrics_port)), flush=True)
+        http = (settings.http_host, http_port) if settings.thrift.http else None
+        print(ready_line((settings.host, port), (metrics_host, metrics_port), http), flush=True)
         self._notifier.ready(f"{settings.processes} processes serving")
         try:
             self._watch()

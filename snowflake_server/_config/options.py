@@ -176,6 +176,10 @@ OPTIONS: tuple[Option, ...] = (
            "are dropped, and counted, if the disk falls behind).", "FILE"),
     Option("audit_queue", int,
            "Audit entries that may wait in memory before new ones are dropped.", "N"),
+    Option("http_port", int,
+           "Serve the HTTP/JSON API (/v1/id, /v1/ids, /v1/decode/ID, /v1/layout) on this "
+           "port; 0 picks a free one; -1: off.", "PORT"),
+    Option("http_host", str, "Address of the HTTP/JSON API.", "ADDR"),
     Option("processes", int,
            "Run this many server processes on the one port (SO_REUSEPORT), each with its "
            "own worker id: consecutive from --worker-id, or leased with auto.", "N"),
@@ -185,7 +189,7 @@ OPTIONS: tuple[Option, ...] = (
 
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("server", ("host", "port", "transport", "idle_timeout", "processes", "reuse_port",
-                "drain_seconds")),
+                "drain_seconds", "http_host", "http_port")),
     ("ids & layout", ("datacenter_id", "worker_id", "epoch", "timestamp_bits",
                       "datacenter_id_bits", "worker_id_bits", "sequence_bits", "sequence_start")),
     ("clock & state", ("max_backwards_ms", "state_dir", "max_startup_wait",

@@ -22,6 +22,7 @@ from .._ids.generator import GeneratorSettings
 
 __all__ = [
     "AUTO_WORKER_ID",
+    "HTTP_OFF",
     "AdminSettings",
     "AuditSettings",
     "ClusterSettings",
@@ -34,6 +35,8 @@ __all__ = [
 
 AUTO_WORKER_ID = -1
 """``--worker-id auto``: lease the lowest free worker id from ZooKeeper."""
+HTTP_OFF = -1
+"""``--http-port`` by default: no HTTP/JSON API."""
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
@@ -106,6 +109,12 @@ class ThriftSettings:
     tls_cert: str
     tls_key: str
     tls_client_ca: str
+    http_host: str
+    http_port: int  # HTTP_OFF: no HTTP/JSON API
+
+    @property
+    def http(self) -> bool:
+        return self.http_port != HTTP_OFF
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,10 +194,13 @@ class ServerSettings:
     audit_queue: int = 100_000
     processes: int = 1
     reuse_port: bool = False
+    http_host: str = "127.0.0.1"
+    http_port: int = HTTP_OFF
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "advertise_port"):
             _within(name, getattr(self, name), 0, 65535)
+        _within("http_port", self.http_port, HTTP_OFF, 65535)
         for name in ("max_connections", "max_frame_size", "audit_queue", "processes", "max_batch"):
             _within(name, getattr(self, name), 1, None)
         for name in ("max_agents", "max_backwards_ms"):

@@ -64,12 +64,15 @@ class Shared:
     on_closed: Callable[[], None] = lambda: None
 
 
-class _Refused(Exception):
-    """A request the connection cannot serve: reply with an error, then close."""
+class Refused(Exception):
+    """A request the connection cannot serve: reply with an error, then close.
+    ``kind`` is what the metrics count it as; ``status`` the HTTP status, for the
+    HTTP connection's answer."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.kind = kind
+        self.status = status
 
 
 class Connection(asyncio.Protocol):
@@ -215,7 +218,7 @@ class Connection(asyncio.Protocol):
                     future.add_done_callback(self._after_thread)
                     break
                 self._write(reply)
-        except _Refused as e:
+        except Refused as e:
             self._refuse(e)
         finally:
             if pos:
@@ -233,7 +236,7 @@ class Connection(asyncio.Protocol):
                 return None
             size = int.from_bytes(buf[pos : pos + 4], "big", signed=True)
             if not 0 < size <= self._limit:
-                raise _Refused(
+                raise Refused(
                     "frame_too_large",
                     f"frame of {size} bytes refused: --max-frame-size is {self._limit} bytes",
                 )
@@ -247,9 +250,9 @@ class Connection(asyncio.Protocol):
         try:
             length = scanner.feed(buf, pos)
         except TooLarge as e:
-            raise _Refused("frame_too_large", str(e)) from None
+            raise Refused("frame_too_large", str(e)) from None
         except Malformed as e:
-            raise _Refused("protocol_error", f"undecodable request: {e}") from None
+            raise Refused("protocol_error", f"undecodable request: {e}") from None
         if length is None:
             return None
         self._scanner = None
@@ -269,11 +272,11 @@ class Connection(asyncio.Protocol):
         try:
             length = MessageScanner(self._limit).feed(message, 0)
         except (Malformed, TooLarge) as e:
-            raise _Refused("protocol_error", f"undecodable request: {e}") from None
+            raise Refused("protocol_error", f"undecodable request: {e}") from None
         if length is None:
-            raise _Refused("protocol_error", "undecodable request: the frame ends inside its call")
+            raise Refused("protocol_error", "undecodable request: the frame ends inside its call")
         if length != len(message):
-            raise _Refused(
+            raise Refused(
                 "protocol_error",
                 f"undecodable request: {len(message) - length} bytes after the call in its frame",
             )
@@ -286,7 +289,7 @@ class Connection(asyncio.Protocol):
         except WouldBlock:
             raise
         except Exception as e:  # noqa: BLE001 - bytes thriftpy2 cannot decode: refuse this client only
-            raise _Refused("protocol_error", f"undecodable request: {e!r}") from None
+            raise Refused("protocol_error", f"undecodable request: {e!r}") from None
 
     def _after_thread(self, future: asyncio.Future[bytes]) -> None:
         self._busy = False
@@ -294,7 +297,7 @@ class Connection(asyncio.Protocol):
         if self._lost:
             self._finish()  # now that the call's counts are all in its stats
             return
-        if isinstance(error, _Refused):
+        if isinstance(error, Refused):
             self._refuse(error)
             return
         if future.cancelled() or error is not None:
@@ -329,7 +332,7 @@ class Connection(asyncio.Protocol):
             else:
                 transport.pause_reading()
 
-    def _refuse(self, error: _Refused) -> None:
+    def _refuse(self, error: Refused) -> None:
         assert self._stats is not None
         self._stats.count_exception(error.kind)
         log.info("closing connection from %s: %s", self._peer, error)

@@ -30,7 +30,7 @@ from thriftpy2.thrift import TApplicationException, TMessageType, TType
 from thriftpy2.transport import TCyMemoryBuffer
 
 from .._errors import InvalidUserAgentError, RequestError, WouldBlock
-from .._ids.generator import IdSource
+from .._ids.generator import GeneratorSettings, IdSource
 from .._observability.audit import AuditLog
 from .._observability.metrics import OK, ConnectionStats, ServiceMetrics
 from .fastpath import get_id_reply
@@ -107,6 +107,11 @@ class SnowflakeHandler:
             if len(self._labels) < _AGENT_CACHE_SIZE:
                 self._labels[agent] = label  # type: ignore[index]  # checked: a str
         return label
+
+    @property
+    def settings(self) -> GeneratorSettings:
+        """The ids' settings now (in cluster mode the worker id can change while serving)."""
+        return self._generator.settings
 
     def get_worker_id(self) -> int:
         return self._generator.settings.worker_id
@@ -196,6 +201,7 @@ class Processor:
     """
 
     def __init__(self, handler: SnowflakeHandler, stats: ConnectionStats) -> None:
+        self.handler = handler
         self._stats = stats
         self._methods = {
             name: (spec, getattr(handler, name)) for name, spec in _method_specs().items()

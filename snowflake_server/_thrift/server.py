@@ -1,5 +1,5 @@
 """The Thrift server: one event loop per process, many connections, hardened, stopped
-gracefully.
+gracefully; with ``--http-port``, the HTTP/JSON API's connections on the same loop.
 
 Connections are served on an asyncio loop (uvloop's when it is installed), not a
 thread each: at 4+ connections a thread per connection spent a third of the
@@ -33,6 +33,7 @@ from snowflake_thrift_client._transports import address_family
 
 from .._config.settings import ThriftSettings
 from .._errors import ConfigurationError
+from .._http.connection import HttpConnection
 from .._ids.generator import forbid_waiting
 from .._observability.metrics import ConnectionStats, ServiceMetrics
 from .connection import Connection, Shared
@@ -125,6 +126,7 @@ class ThriftServer:
         self._backlog = backlog
         self._heartbeat = heartbeat
         self._listener: socket.socket | None = None
+        self._http_listener: socket.socket | None = None
         self._listening = False
         self._stop_at: float | None = None  # monotonic; a stop asked before the loop ran
         self._stop_lock = threading.Lock()
@@ -142,8 +144,22 @@ class ThriftServer:
         listener = listen_socket(settings.host, settings.port, reuse_port=settings.reuse_port)
         listener.setblocking(False)
         self._listener = listener
+        if settings.http:
+            http = listen_socket(
+                settings.http_host, settings.http_port, reuse_port=settings.reuse_port
+            )
+            http.setblocking(False)
+            self._http_listener = http
         _fit_open_files(settings.max_connections)
         host, port = listener.getsockname()[:2]
+        return host, port
+
+    @property
+    def http_address(self) -> tuple[str, int] | None:
+        """Where the HTTP/JSON API is bound (``--http-port``), or None."""
+        if self._http_listener is None:
+            return None
+        host, port = self._http_listener.getsockname()[:2]
         return host, port
 
     def listen(self) -> None:
@@ -152,15 +168,17 @@ class ThriftServer:
         if another socket took the port meanwhile."""
         if self._listener is None:
             raise RuntimeError("bind() first")
-        try:
-            self._listener.listen(self._backlog)
-        except OSError as e:
-            # Another socket bound the port while neither listened (SO_REUSEADDR allows
-            # that) and listened first: a port in use, found only now.
-            settings = self._settings
-            raise ConfigurationError(
-                f"cannot listen on {settings.host}:{settings.port}: {e}"
-            ) from None
+        settings = self._settings
+        listeners = [(self._listener, settings.host, settings.port)]
+        if self._http_listener is not None:
+            listeners.append((self._http_listener, settings.http_host, settings.http_port))
+        for listener, host, port in listeners:
+            try:
+                listener.listen(self._backlog)
+            except OSError as e:
+                # Another socket bound the port while neither listened (SO_REUSEADDR
+                # allows that) and listened first: a port in use, found only now.
+                raise ConfigurationError(f"cannot listen on {host}:{port}: {e}") from None
         self._listening = True
 
     def set_tls(self, tls: ssl.SSLContext) -> None:
@@ -202,9 +220,10 @@ class ThriftServer:
             self.close()
 
     def close(self) -> None:
-        """Release the listening socket; for a server that never served, or after serving."""
-        if self._listener is not None:
-            self._listener.close()
+        """Release the listening sockets; for a server that never served, or after serving."""
+        for listener in (self._listener, self._http_listener):
+            if listener is not None:
+                listener.close()
 
     async def _serve(
         self, loop: asyncio.AbstractEventLoop, listener: socket.socket, grace_s: float
@@ -239,17 +258,30 @@ class ThriftServer:
             self._stop, self._loop = stop, loop
             if self._stop_at is not None:  # asked before the loop existed
                 loop.call_later(max(0.0, self._stop_at - time.monotonic()), stop.set)
-        server = await loop.create_server(
-            lambda: Connection(shared), sock=listener, backlog=self._backlog
-        )
+        servers = [
+            await loop.create_server(
+                lambda: Connection(shared), sock=listener, backlog=self._backlog
+            )
+        ]
+        if self._http_listener is not None:
+            servers.append(
+                await loop.create_server(
+                    lambda: HttpConnection(shared),
+                    sock=self._http_listener,
+                    backlog=self._backlog,
+                )
+            )
         self._beat(loop)
         try:
             await self._stop.wait()
         finally:
             if self._beat_handle is not None:
                 self._beat_handle.cancel()
-            server.close()  # no new connections
+            for server in servers:
+                server.close()  # no new connections
             listener.close()  # in case the loop serves a duplicate of it
+            if self._http_listener is not None:
+                self._http_listener.close()
             await self._drain(shared, all_closed, grace_s)
             executor.shutdown(wait=False, cancel_futures=True)
 

@@ -455,7 +455,7 @@ def test_a_worker_threads_refusal_is_sent_before_the_close(tmp_path: Path) -> No
     made = _Driven(tmp_path)
     try:
         refused = made.loop.create_future()
-        refused.set_exception(connection._Refused("protocol_error", "undecodable request: x"))
+        refused.set_exception(connection.Refused("protocol_error", "undecodable request: x"))
         made.connection._busy = True
         made.connection._after_thread(refused)
         (reply,) = made.replies()

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,3 +145,17 @@ def test_a_second_sigterm_cuts_every_process_drain_short() -> None:
     finally:
         server.stop()
     assert "again: stopping 2 processes now" in server.log()
+
+
+def test_one_http_port_for_all_processes() -> None:
+    server = start_server("--processes", "2", "--worker-id", "3", "--http-port", "0")
+    try:
+        http = server.http
+        assert http is not None
+        workers = set()
+        for _ in range(40):  # a new connection each: the kernel spreads them
+            with urllib.request.urlopen(f"http://{http[0]}:{http[1]}/v1/id?agent=p") as r:
+                workers.add(decompose(int(json.loads(r.read())["id"])).worker_id)
+        assert workers == {3, 4}
+    finally:
+        assert server.stop() == 0

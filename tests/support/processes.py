@@ -70,6 +70,7 @@ class ServerProcess(Endpoints):
     metrics_port: int
     transport: Transport = "framed"
     state_dir: Path | None = None
+    http: tuple[str, int] | None = None  # the HTTP/JSON API's address, with --http-port
     _clients: list[Any] = field(default_factory=list)
     _final_log: str = ""
 
@@ -174,6 +175,7 @@ def start_server(
                     metrics_port=ready.metrics[1],
                     transport=transport,
                     state_dir=state_dir,
+                    http=ready.http,
                 )
                 return server
     process.kill()

@@ -1,0 +1,1 @@
+"""The HTTP/JSON API: its routes, its OpenAPI document, its connections."""
