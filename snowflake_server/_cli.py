@@ -1,9 +1,11 @@
 """``snowflake``: get ids from a server, or decode ids.
 
     snowflake get [--server HOST:PORT ...] [--count N] [--agent A] [--json]
-    snowflake decode ID [ID ...] [--json]
+    snowflake decode [ID ... | -] [--json]
 
-``--json`` prints ids as strings: they exceed JavaScript's 2^53.
+``--json`` prints ids as strings: they exceed JavaScript's 2^53. ``decode`` with no ID,
+or with ``-``, reads ids from standard input; it decodes every id it can and exits 2
+if any could not be.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from snowflake_thrift_client import (
     DEFAULT_PORT,
@@ -20,6 +22,7 @@ from snowflake_thrift_client import (
     ClockMovedBackwardsError,
     ConfigurationError,
     Discovery,
+    Layout,
     NoServerAvailableError,
     RequestError,
     SnowflakePool,
@@ -33,6 +36,9 @@ from ._config.settings import ServerSettings, layout_from
 from ._version import __version__
 
 __all__ = ["main"]
+
+STDIN = "-"
+"""The ``decode`` argument that stands for standard input."""
 
 _LAYOUT_OPTIONS = (
     "epoch",
@@ -77,8 +83,15 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="seconds to wait for a connection or a reply (default 5)")  # fmt: skip
     get.add_argument("--json", action="store_true", help="print a JSON array of id strings")
 
-    decode = commands.add_parser("decode", help="print the time and parts of ids")
-    decode.add_argument("ids", nargs="+", metavar="ID")
+    decode = commands.add_parser(
+        "decode", help="print the time and parts of ids",
+        description="Print the time and parts of ids. With no ID, or with -, read ids "
+        "from standard input, separated by spaces or newlines. Every id that can be is "
+        "decoded; the exit code is 2 if any could not be.",
+    )  # fmt: skip
+    decode.add_argument(
+        "ids", nargs="*", metavar="ID", help="an id; - or none at all: read standard input"
+    )
     decode.add_argument("--json", action="store_true", help="print a JSON array of objects")
     defaults = ServerSettings()
     for option in OPTIONS:
@@ -179,26 +192,78 @@ def _get_from(args: argparse.Namespace, servers: list[tuple[str, int]] | Discove
     return 0
 
 
-def _decode(args: argparse.Namespace) -> int:
+def _decode(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.ids.count(STDIN) > 1:
+        parser.error("give - once: standard input can be read only once")
     layout = layout_from(args)
     described = []
-    for text in args.ids:
+    failed = False
+    for where, text in _ids_to_decode(args.ids):
         try:
-            described.append(layout.decompose(int(text)).to_json())
-        except (ValueError, ConfigurationError) as e:
-            print(f"snowflake decode: error: {text!r} is not an id of this layout: {e}",
-                  file=sys.stderr)  # fmt: skip
-            return 2
+            decoded = _describe(text, layout)
+        except _NotAnId as e:
+            failed = True
+            print(f"snowflake decode: error: {where}{text!r} {e}", file=sys.stderr)
+            continue
+        if args.json:
+            described.append(decoded)
+        else:
+            # Printed as each comes: a long input needs no memory for its output.
+            print(
+                f"{decoded['id']}\n  time        {decoded['time']} ({decoded['timestamp_ms']} ms)"
+                f"\n  datacenter  {decoded['datacenter_id']}\n  worker      "
+                f"{decoded['worker_id']}\n  sequence    {decoded['sequence']}"
+            )
     if args.json:
         print(json.dumps(described))
-        return 0
-    for d in described:
-        print(
-            f"{d['id']}\n  time        {d['time']} ({d['timestamp_ms']} ms)\n"
-            f"  datacenter  {d['datacenter_id']}\n  worker      {d['worker_id']}\n"
-            f"  sequence    {d['sequence']}"
-        )
-    return 0
+    return 2 if failed else 0
+
+
+def _ids_to_decode(ids: list[str]) -> Iterator[tuple[str, str]]:
+    """Each id to decode, after where it comes from for an error message: the
+    arguments in order, standard input's in place of ``-`` (or alone, with none)."""
+    for text in ids or [STDIN]:
+        if text != STDIN:
+            yield "", text
+            continue
+        for number, line in enumerate(_stdin_lines(), 1):
+            for each in line.split():
+                yield f"line {number} of standard input: ", each
+
+
+def _stdin_lines() -> Iterator[str]:
+    stdin = sys.stdin
+    if stdin is None:  # started with standard input closed
+        raise ConfigurationError("there is no standard input to read ids from")
+    if stdin.isatty():
+        print("snowflake decode: reading ids from standard input (end with Ctrl-D)",
+              file=sys.stderr)  # fmt: skip
+    raw = getattr(stdin, "buffer", None)
+    if raw is None:  # a text stream with no bytes under it
+        yield from stdin
+        return
+    # Bytes, decoded line by line: a line that is not UTF-8 is refused on its own (its
+    # ids show replacement characters), and the lines after it are still read.
+    for line in raw:
+        yield line.decode("utf-8", errors="replace")
+
+
+class _NotAnId(Exception):
+    """Why a text is not an id, as the end of a sentence that starts with the text."""
+
+
+def _describe(text: str, layout: Layout) -> dict[str, object]:
+    """The parts of the id ``text``, ready for JSON; else ``_NotAnId``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise _NotAnId("is not an id: not a decimal integer") from None
+    try:
+        return layout.decompose(value).to_json()
+    except ConfigurationError as e:
+        raise _NotAnId(f"is not an id of this layout: {e}") from None
+    except (OverflowError, ValueError) as e:  # a layout whose times pass year 9999
+        raise _NotAnId(f"has a time that cannot be shown: {e}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -206,7 +271,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
-        return _get(args, _servers(args, parser)) if args.command == "get" else _decode(args)
+        if args.command == "get":
+            return _get(args, _servers(args, parser))
+        return _decode(args, parser)
     except ConfigurationError as e:
         print(f"snowflake {args.command}: error: {e}", file=sys.stderr)
         return 2

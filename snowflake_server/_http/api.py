@@ -233,6 +233,8 @@ class HttpApi:
                 return self._handler.settings.layout.decompose(int(text)).to_json()
             except ConfigurationError as e:
                 raise _InvalidId(f"{text} is not an id of this layout: {e}") from None
+            except OverflowError:  # a layout reaching past year 9999
+                raise _InvalidId(f"{text} is past the dates a time can hold") from None
 
         return decode
 

@@ -34,6 +34,9 @@ LINKED_DOCS = sorted(
         ROOT / "CONTRIBUTING.md",
         ROOT / "CHANGELOG.md",
         ROOT / "clients" / "README.md",
+        ROOT / "clients" / "http.md",
+        *(ROOT / "clients").glob("*/README.md"),
+        *(ROOT / "deploy").glob("README.md"),
         *(ROOT / "docs").glob("*.md"),
     ]
 )

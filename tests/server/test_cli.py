@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -41,6 +44,133 @@ def test_decode_with_another_layout(capsys: pytest.CaptureFixture[str]) -> None:
 def test_decode_rejects_non_ids(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["decode", bad]) == 2
     assert "is not an id" in capsys.readouterr().err
+
+
+def test_decode_goes_on_past_a_bad_id_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["decode", "--json", "abc", "910499571847892992", "-1"]) == 2
+    out, err = capsys.readouterr()
+    assert [d["id"] for d in json.loads(out)] == ["910499571847892992"]
+    assert "'abc' is not an id: not a decimal integer" in err
+    assert "'-1' is not an id of this layout: id must be in 0.." in err
+
+
+def stdin(monkeypatch: pytest.MonkeyPatch, data: bytes) -> None:
+    """Standard input with ``data`` in it, as bytes under text, as a real one is."""
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+
+
+@pytest.mark.parametrize("argv", [[], ["-"]], ids=["no ID", "-"])
+def test_decode_reads_ids_from_standard_input(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stdin(monkeypatch, b"910499571847892992\n\n  0\t1\r\n4194304")
+    assert main(["decode", "--json", *argv]) == 0
+    out, err = capsys.readouterr()
+    decoded = json.loads(out)
+    assert [d["id"] for d in decoded] == ["910499571847892992", "0", "1", "4194304"]
+    assert decoded[0]["time"] == "2017-09-20T13:43:08.849Z" and decoded[3]["sequence"] == 0
+    assert err == ""
+
+
+def test_decode_reads_standard_input_where_the_dash_is(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stdin(monkeypatch, b"1 2\n")
+    assert main(["decode", "--json", "0", "-", "3"]) == 0
+    assert [d["sequence"] for d in json.loads(capsys.readouterr().out)] == [0, 1, 2, 3]
+
+
+def test_decode_names_the_line_of_each_bad_id_and_goes_on(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stdin(monkeypatch, f"0\n1 x1\n{2**63}\n\xff2\n910499571847892992\n".encode("latin-1"))
+    assert main(["decode"]) == 2
+    out, err = capsys.readouterr()
+    assert out.count("\n  time ") == 3 and "910499571847892992\n  time" in out
+    errors = err.splitlines()
+    assert len(errors) == 3
+    assert errors[0] == (
+        "snowflake decode: error: line 2 of standard input: 'x1' is not an id: not a decimal "
+        "integer"
+    )
+    assert errors[1].startswith(
+        f"snowflake decode: error: line 3 of standard input: '{2**63}' is not an id of this layout"
+    )
+    # Not UTF-8: refused with its line, and the lines after it are still read.
+    assert errors[2].startswith("snowflake decode: error: line 4 of standard input: '\ufffd2'")
+
+
+def test_decode_of_empty_standard_input_decodes_nothing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stdin(monkeypatch, b" \n")
+    assert main(["decode", "--json"]) == 0
+    assert capsys.readouterr() == ("[]\n", "")
+    stdin(monkeypatch, b"")
+    assert main(["decode"]) == 0
+    assert capsys.readouterr() == ("", "")
+
+
+def test_decode_reads_a_text_only_standard_input(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("910499571847892992 nope\n"))
+    assert main(["decode", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert [d["worker_id"] for d in json.loads(out)] == [25]
+    assert "line 1 of standard input: 'nope' is not an id" in err
+
+
+def test_decode_without_standard_input_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sys.stdin", None)
+    assert main(["decode"]) == 2
+    assert "no standard input to read ids from" in capsys.readouterr().err
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_decode_says_it_reads_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sys.stdin", Terminal("0\n"))
+    assert main(["decode"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("0\n") and "(end with Ctrl-D)" in err
+
+
+def test_decode_refuses_a_time_past_year_9999(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["decode", "--epoch", "300000000000000", "0"]) == 2
+    assert "'0' has a time that cannot be shown" in capsys.readouterr().err
+
+
+def test_decode_refuses_two_dashes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stdin(monkeypatch, b"1\n")
+    with pytest.raises(SystemExit) as info:
+        main(["decode", "-", "-"])
+    assert info.value.code == 2
+    assert "give - once" in capsys.readouterr().err
+
+
+def test_the_snowflake_command_decodes_a_pipe() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "snowflake_server._cli", "decode", "--epoch", "0",
+         "--sequence-bits", "10"],
+        input=b"1025\nbad\n", capture_output=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done
+    assert done.stdout.decode().startswith("1025\n  time        1970-01-01T00:00:00.000Z (0 ms)\n")
+    assert b"sequence    1\n" in done.stdout
+    assert done.stderr == (
+        b"snowflake decode: error: line 2 of standard input: 'bad' is not an id: not a decimal "
+        b"integer\n"
+    )
 
 
 def test_get_from_a_server(server: InProcessServer, capsys: pytest.CaptureFixture[str]) -> None:

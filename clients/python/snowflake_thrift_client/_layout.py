@@ -11,7 +11,7 @@ Layout of an id with the default :class:`Layout` (Twitter's)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from ._errors import ConfigurationError
 
@@ -43,6 +43,9 @@ def check_int(name: str, value: object, low: int, high: int) -> int:
     return value
 
 
+_UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
 @dataclass(frozen=True)
 class DecodedId:
     """The parts of an id. ``timestamp_ms`` is ms since the Unix epoch."""
@@ -56,7 +59,8 @@ class DecodedId:
     @property
     def datetime(self) -> datetime:
         """When the id was made, as an aware UTC datetime."""
-        return datetime.fromtimestamp(self.timestamp_ms / 1000, tz=timezone.utc)
+        # Integer ms: past 2^32 s a float of seconds no longer holds every µs.
+        return _UNIX_EPOCH + timedelta(milliseconds=self.timestamp_ms)
 
     def to_json(self) -> dict[str, object]:
         """The parts as JSON-ready values; the id as a string (it exceeds 2^53)."""
