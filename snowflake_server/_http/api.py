@@ -39,6 +39,7 @@ from .._errors import (
     WouldBlock,
 )
 from .._observability.metrics import NO_METHOD, OK, ConnectionStats
+from .._state.statefile import layout_to_json
 from .._thrift.handler import SnowflakeHandler
 from .openapi import openapi_document
 
@@ -214,13 +215,8 @@ class HttpApi:
 
     def _layout(self, _query: dict[str, list[str]]) -> dict[str, object]:
         settings = self._handler.settings
-        layout = settings.layout
         return {
-            "epoch_ms": layout.epoch_ms,
-            "timestamp_bits": layout.timestamp_bits,
-            "datacenter_id_bits": layout.datacenter_id_bits,
-            "worker_id_bits": layout.worker_id_bits,
-            "sequence_bits": layout.sequence_bits,
+            **layout_to_json(settings.layout),
             "datacenter_id": settings.datacenter_id,
             "worker_id": settings.worker_id,
         }

@@ -10,6 +10,7 @@ import functools
 import json
 from collections.abc import Mapping
 
+from .._state.statefile import LAYOUT_FIELDS
 from .._version import __version__
 
 __all__ = ["openapi_document"]
@@ -78,29 +79,11 @@ def openapi_document() -> bytes:
             "sequence": {"type": "integer", "minimum": 0},
         },
     }
+    fields = (*LAYOUT_FIELDS, "datacenter_id", "worker_id")
     layout = {
         "type": "object",
-        "required": [
-            "epoch_ms",
-            "timestamp_bits",
-            "datacenter_id_bits",
-            "worker_id_bits",
-            "sequence_bits",
-            "datacenter_id",
-            "worker_id",
-        ],
-        "properties": {
-            name: {"type": "integer", "minimum": 0}
-            for name in (
-                "epoch_ms",
-                "timestamp_bits",
-                "datacenter_id_bits",
-                "worker_id_bits",
-                "sequence_bits",
-                "datacenter_id",
-                "worker_id",
-            )
-        },
+        "required": list(fields),
+        "properties": {name: {"type": "integer", "minimum": 0} for name in fields},
     }
     document = {
         "openapi": "3.0.3",

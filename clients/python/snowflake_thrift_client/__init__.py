@@ -10,10 +10,16 @@ prefetch ids::
         one = ids.next_id()
         batch = ids.next_ids(100)
 
+:class:`AsyncSnowflakePool` is the same for asyncio::
+
+    async with AsyncSnowflakePool(["10.0.0.1:7609", "10.0.0.2:7609"]) as ids:
+        one = await ids.next_id()
+
 :class:`SnowflakeClient` is one connection to one server (not thread-safe);
 :func:`decompose` takes an id apart under a :class:`Layout`;
 :class:`ZooKeeperDiscovery` finds the servers of a cluster (with the
-``zookeeper`` extra). Every error is a :class:`SnowflakeError`.
+``zookeeper`` extra). Every error is a :class:`SnowflakeError`; timeouts are also
+``TimeoutError`` s, and failures to reach a server ``ConnectionError`` s.
 
 Names not in ``__all__`` and modules whose names start with an underscore are
 private and may change without notice.
@@ -22,6 +28,7 @@ private and may change without notice.
 from __future__ import annotations
 
 from importlib import resources
+from typing import TYPE_CHECKING, Any
 
 from . import _errors
 from ._address import DEFAULT_PORT, ServerAddress, parse_server
@@ -32,6 +39,9 @@ from ._layout import DEFAULT_LAYOUT, TWITTER_EPOCH_MS, DecodedId, Layout, compos
 from ._pool import Discovery, SnowflakePool
 from ._tls import client_context
 
+if TYPE_CHECKING:
+    from ._async_pool import AsyncDiscovery, AsyncSnowflakePool
+
 __version__ = resources.files(__name__).joinpath("VERSION").read_text(encoding="utf-8").strip()
 """The version of the client and of the server, read from the one ``VERSION`` file."""
 
@@ -41,6 +51,8 @@ __all__ = [
     "DEFAULT_LAYOUT",
     "DEFAULT_PORT",
     "TWITTER_EPOCH_MS",
+    "AsyncDiscovery",
+    "AsyncSnowflakePool",
     "DecodedId",
     "Discovery",
     "Layout",
@@ -54,3 +66,13 @@ __all__ = [
     "decompose",
     "parse_server",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The asyncio pool is imported on first use: asyncio alone takes about as long to
+    # import as the rest of the package, a cost for the command line and threaded users.
+    if name in ("AsyncDiscovery", "AsyncSnowflakePool"):
+        from . import _async_pool
+
+        return getattr(_async_pool, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

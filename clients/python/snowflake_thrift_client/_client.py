@@ -12,7 +12,7 @@ from thriftpy2.thrift import TApplicationException, TClient
 from thriftpy2.transport import TTransportException
 
 from ._address import DEFAULT_PORT, Server, parse_server
-from ._errors import CallFailedError, ConfigurationError
+from ._errors import CallFailedError, ConfigurationError, ConnectionFailedError
 from ._idl import declared_exceptions, layout_from_thrift, request_error, snowflake_thrift
 from ._layout import Layout
 from ._transports import TRANSPORTS, Transport, binary_protocol, server_socket
@@ -29,9 +29,11 @@ def call_failed(address: str, cause: BaseException, *, connected: bool) -> CallF
     timed_out = isinstance(cause, TimeoutError) or (
         isinstance(cause, TTransportException) and cause.type == TTransportException.TIMED_OUT
     )
-    return CallFailedError(
-        address, _describe(cause, connected), connected=connected, timed_out=timed_out
-    )
+    reason = _describe(cause, connected)
+    if not timed_out and isinstance(cause, (TTransportException, ConnectionError, EOFError)):
+        # The connection broke during the call: a ConnectionError to the caller too.
+        return ConnectionFailedError(address, reason, connected=connected)
+    return CallFailedError(address, reason, connected=connected, timed_out=timed_out)
 
 
 def _declared_classes() -> tuple[type[Exception], ...]:

@@ -10,9 +10,15 @@
     │   ├── InvalidCountError           <- InvalidCountError
     │   └── UnavailableError            <- UnavailableError: not serving now, try another node
     ├── CallFailedError                 a call to one server failed any other way
-    └── NoServerAvailableError          a pool ran out of servers or attempts
+    │   ├── ConnectionFailedError       no connection could be opened    (also a ConnectionError)
+    │   └── CallTimedOutError           no answer in time                (also a TimeoutError)
+    └── NoServerAvailableError          a pool ran out of servers, tries (also a ConnectionError)
+        └── NoServerAnsweredError       every try timed out              (also a TimeoutError)
 
-The server (``snowflake_server``) adds its own errors under the same root.
+The builtin bases let a caller catch the client's failures as it catches any other
+network failure (``except (ConnectionError, TimeoutError)``, or ``except OSError``),
+without importing this package. The server (``snowflake_server``) adds its own errors
+under the same root.
 """
 
 from __future__ import annotations
@@ -21,10 +27,13 @@ from collections.abc import Sequence
 
 __all__ = [
     "CallFailedError",
+    "CallTimedOutError",
     "ClockMovedBackwardsError",
     "ConfigurationError",
+    "ConnectionFailedError",
     "InvalidCountError",
     "InvalidUserAgentError",
+    "NoServerAnsweredError",
     "NoServerAvailableError",
     "RequestError",
     "SnowflakeError",
@@ -78,7 +87,24 @@ class CallFailedError(SnowflakeError):
 
     The cause (a timeout, a refused or dropped connection, a Thrift application
     error...) is ``__cause__``. The connection was discarded.
+
+    Like ``OSError(errno, ...)``, the constructor returns the subclass that the flags
+    call for: :class:`CallTimedOutError` if ``timed_out``, else
+    :class:`ConnectionFailedError` if not ``connected``. So every place that makes
+    one, old or new, gives a caller the builtin base it expects.
     """
+
+    def __new__(
+        cls, address: str, reason: str, *, connected: bool, timed_out: bool = False
+    ) -> CallFailedError:
+        if cls is CallFailedError:
+            if timed_out:
+                cls = CallTimedOutError
+            elif not connected:
+                cls = ConnectionFailedError
+        # The message goes to __new__ too: for the OSError subclasses, OSError.__new__
+        # sets ``args`` and OSError.__init__ then does nothing.
+        return super().__new__(cls, f"{address}: {reason}")
 
     def __init__(
         self, address: str, reason: str, *, connected: bool, timed_out: bool = False
@@ -93,15 +119,48 @@ class CallFailedError(SnowflakeError):
         super().__init__(f"{address}: {reason}")
 
 
-class NoServerAvailableError(SnowflakeError):
-    """No server could serve the call: every attempt failed.
+class ConnectionFailedError(CallFailedError, ConnectionError):
+    """No connection to the server could be opened (refused, unreachable, a TLS
+    handshake that failed: ``connected`` is False), or it broke during the call
+    (``connected`` is True)."""
+
+
+class CallTimedOutError(CallFailedError, TimeoutError):
+    """The server did not answer within the timeout, while connecting (``connected``
+    False) or while the client waited for a reply."""
+
+
+class NoServerAvailableError(SnowflakeError, ConnectionError):
+    """No server could serve the call: every attempt failed (or server discovery did,
+    with no earlier list to fall back on).
 
     ``failures`` lists ``(address, error)`` for each attempt, in order; each
     error is a :class:`CallFailedError`, or the declared error with which that
-    node refused (:class:`ClockMovedBackwardsError`, say).
+    node refused (:class:`ClockMovedBackwardsError`, say). The constructor returns a
+    :class:`NoServerAnsweredError` when every failure is a :class:`CallTimedOutError`.
     """
+
+    def __new__(
+        cls, message: str, failures: Sequence[tuple[str, SnowflakeError]] = ()
+    ) -> NoServerAvailableError:
+        if (
+            cls is NoServerAvailableError
+            and failures
+            and all(isinstance(error, CallTimedOutError) for _, error in failures)
+        ):
+            cls = NoServerAnsweredError
+        return super().__new__(cls, _no_server_message(message, failures))
 
     def __init__(self, message: str, failures: Sequence[tuple[str, SnowflakeError]] = ()) -> None:
         self.failures = tuple(failures)
-        details = "; ".join(f"{error}" for _, error in self.failures)
-        super().__init__(f"{message}: {details}" if details else message)
+        super().__init__(_no_server_message(message, self.failures))
+
+
+class NoServerAnsweredError(NoServerAvailableError, TimeoutError):
+    """No server could serve the call, and every attempt timed out: the servers (or the
+    network to them) are too slow for the timeout, rather than down or refusing."""
+
+
+def _no_server_message(message: str, failures: Sequence[tuple[str, SnowflakeError]]) -> str:
+    details = "; ".join(f"{error}" for _, error in failures)
+    return f"{message}: {details}" if details else message
