@@ -124,17 +124,20 @@ def _collect(sample: Sample, callers: Sequence[Caller]) -> None:
         sample.latencies_s.extend(caller.latencies)
 
 
+def _callers(config: Config, plan: Plan) -> list[Caller]:
+    """The callers of one measurement, counting from the warm-up's end for ``plan.seconds``."""
+    start = time.perf_counter()
+    measured = start + plan.warmup_s
+    return [Caller(config, measured, measured + plan.seconds) for _ in range(config.callers)]
+
+
 def measure_sync(address: str, config: Config, plan: Plan) -> Sample:
     """Threads sharing one SnowflakePool."""
     sample = Sample()
     with SnowflakePool(
         address, agent=AGENT, pool_size=config.callers, timeout=CALL_TIMEOUT_S
     ) as pool:
-        start = time.perf_counter()
-        callers = [
-            Caller(config, start + plan.warmup_s, start + plan.warmup_s + plan.seconds)
-            for _ in range(config.callers)
-        ]
+        callers = _callers(config, plan)
 
         def work(caller: Caller) -> None:
             call: Callable[[], int | list[int]] = (
@@ -166,11 +169,7 @@ def measure_async(address: str, config: Config, plan: Plan) -> Sample:
         async with AsyncSnowflakePool(
             address, agent=AGENT, pool_size=config.callers, timeout=CALL_TIMEOUT_S
         ) as pool:
-            start = time.perf_counter()
-            callers = [
-                Caller(config, start + plan.warmup_s, start + plan.warmup_s + plan.seconds)
-                for _ in range(config.callers)
-            ]
+            callers = _callers(config, plan)
 
             async def work(caller: Caller) -> None:
                 try:

@@ -170,19 +170,19 @@ class _Dial:
         self.retry_s = retry_s
 
     def __call__(self, host: str, port: int, transport: str) -> Any:
-        for _ in range(int(self.retry_s / _REFUSED_POLL_S)):
+        retries = int(self.retry_s / _REFUSED_POLL_S)
+        for retry in range(retries + 1):
             try:
                 return open_client(host, port, transport, _PEER_TIMEOUT_S)
             except TTransportException as e:
                 if not isinstance(e.__context__, ConnectionRefusedError):
                     raise
+                if retry == retries:
+                    raise TTransportException(
+                        e.type, f"{e.message}: refused connections for {self.retry_s:g} s"
+                    ) from None
             self._sleep(_REFUSED_POLL_S)
-        try:
-            return open_client(host, port, transport, _PEER_TIMEOUT_S)
-        except TTransportException as e:
-            raise TTransportException(
-                e.type, f"{e.message}: refused connections for {self.retry_s:g} s"
-            ) from None
+        raise AssertionError("unreachable: the last try returns or raises")
 
 
 def _ask_peer(

@@ -38,7 +38,7 @@ from .._errors import (
     UnavailableError,
     WouldBlock,
 )
-from .._observability.metrics import NO_METHOD, OK, ConnectionStats
+from .._observability.metrics import NO_METHOD, ConnectionStats
 from .._state.statefile import layout_to_json
 from .._thrift.handler import SnowflakeHandler
 from .openapi import openapi_document
@@ -67,6 +67,10 @@ _FAILURES: tuple[tuple[type[Exception], int, str], ...] = (
     (ClockMovedBackwardsError, 503, "invalid_system_clock"),
     (UnavailableError, 503, "unavailable"),
 )
+
+
+Route = Callable[[dict[str, list[str]]], dict[str, object]]
+"""Answers a request's query (parsed) with the JSON body of its 200."""
 
 
 class BadRequest(Exception):
@@ -122,10 +126,11 @@ class HttpApi:
         self._handler = handler
         self._stats = stats
         self._last_id_agent: tuple[str, str] | None = None
-        self._routes: dict[str, Callable[[dict[str, list[str]]], dict[str, object]]] = {
-            "/v1/id": self._id,
-            "/v1/ids": self._ids,
-            "/v1/layout": self._layout,
+        # path -> (the method name it is counted under, what answers it)
+        self._routes: dict[str, tuple[str, Route]] = {
+            "/v1/id": ("get_id", self._id),
+            "/v1/ids": ("get_ids", self._ids),
+            "/v1/layout": ("get_layout", self._layout),
         }
 
     def id_response(self, label: str, agent: str, close: bool = False) -> bytes:
@@ -138,7 +143,7 @@ class HttpApi:
             raise
         except Exception as e:  # noqa: BLE001 - every failure is a JSON answer, never a drop
             return self._failed("get_id", e, started, head=False, close=close)
-        self._stats.observe("get_id", time.perf_counter() - started, OK)
+        self._stats.observe("get_id", time.perf_counter() - started)
         body = b'{"id": "%d"}' % id_
         return (_ID_HEAD_CLOSE if close else _ID_HEAD) % len(body) + body
 
@@ -164,15 +169,14 @@ class HttpApi:
     def _route(self, path: str, query: str, *, head: bool, close: bool) -> bytes:
         if path == "/v1/openapi.json":
             return response(200, openapi_document(), head=head, close=close)
-        route = self._routes.get(path)
-        method = path.rsplit("/", 1)[-1]
-        if route is None and path.startswith("/v1/decode/"):
-            route, method = self._decode(unquote(path[len("/v1/decode/") :])), "decode"
-        if route is None:
+        found = self._routes.get(path)
+        if found is None and path.startswith("/v1/decode/"):
+            found = ("decode", self._decode(unquote(path[len("/v1/decode/") :])))
+        if found is None:
             self._stats.count_exception("unknown_method", NO_METHOD)
             return error(404, "not_found", f"no route {path!r}; see /v1/openapi.json",
                          head=head, close=close)  # fmt: skip
-        method = {"id": "get_id", "ids": "get_ids", "layout": "get_layout"}.get(method, method)
+        method, route = found
         started = time.perf_counter()
         try:
             body = route(parse_qs(query, keep_blank_values=True))
@@ -180,7 +184,7 @@ class HttpApi:
             raise
         except Exception as e:  # noqa: BLE001 - every failure is a JSON answer, never a drop
             return self._failed(method, e, started, head=head, close=close)
-        self._stats.observe(method, time.perf_counter() - started, OK)
+        self._stats.observe(method, time.perf_counter() - started)
         return response(200, body, head=head, close=close)
 
     def _failed(
@@ -189,7 +193,7 @@ class HttpApi:
         """The error response to a call of ``method`` that raised ``failure``, counted."""
         status, kind = _failure(failure)
         self._stats.count_exception(kind, method)
-        self._stats.observe(method, time.perf_counter() - started, kind)
+        self._stats.observe(method, time.perf_counter() - started)
         if status == 500:
             log.error("internal error in %s", method, exc_info=failure)
         retry = (("Retry-After", str(RETRY_AFTER_S)),) if status == 503 else ()
@@ -221,7 +225,7 @@ class HttpApi:
             "worker_id": settings.worker_id,
         }
 
-    def _decode(self, text: str) -> Callable[[dict[str, list[str]]], dict[str, object]]:
+    def _decode(self, text: str) -> Route:
         def decode(_query: dict[str, list[str]]) -> dict[str, object]:
             if not (text.isascii() and text.isdigit()) or len(text) > 20:
                 raise _InvalidId(f"an id is a decimal integer, got {text[:40]!r}")

@@ -93,12 +93,11 @@ class _Latency:
 class ConnectionStats:
     """What one connection did. Written by its own thread only; read by scrapes."""
 
-    __slots__ = ("agent_ids", "exceptions", "latency", "outcomes")
+    __slots__ = ("agent_ids", "exceptions", "latency")
 
     def __init__(self) -> None:
         self.agent_ids: dict[str, int] = {}
         self.exceptions: dict[tuple[str, str], int] = {}  # (kind, method) -> calls
-        self.outcomes: dict[tuple[str, str], int] = {}  # (method, outcome) -> calls
         self.latency: dict[str, _Latency] = {}
 
     def count_ids(self, agent_label: str, n: int) -> None:
@@ -111,10 +110,9 @@ class ConnectionStats:
         key = (kind, method)
         self.exceptions[key] = self.exceptions.get(key, 0) + 1
 
-    def observe(self, method: str, seconds: float, outcome: str = OK) -> None:
-        """A call of ``method`` served in ``seconds``: ``OK``, or the kind it failed with."""
-        key = (method, outcome)
-        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+    def observe(self, method: str, seconds: float) -> None:
+        """A call of ``method`` answered in ``seconds`` (failed or not: its failure, if
+        any, is counted by :meth:`count_exception` with the method)."""
         hist = self.latency.get(method)
         if hist is None:
             hist = self.latency[method] = _Latency()
@@ -127,8 +125,6 @@ class ConnectionStats:
             self.agent_ids[agent] = self.agent_ids.get(agent, 0) + n
         for key, n in dict(other.exceptions).items():
             self.exceptions[key] = self.exceptions.get(key, 0) + n
-        for key, n in dict(other.outcomes).items():
-            self.outcomes[key] = self.outcomes.get(key, 0) + n
         for method, hist in dict(other.latency).items():
             self.latency.setdefault(method, _Latency()).add(hist)
 
@@ -276,10 +272,16 @@ class ServiceMetrics(Collector):
             "Calls served, by method and outcome: ok, or the kind of failure.",
             labels=["method", "outcome"],
         )
-        outcomes = dict.fromkeys(((m, o) for m in self._methods for o in (OK, *CALL_FAILURES)), 0)
-        outcomes.update(total.outcomes)
-        for (method, outcome), n in sorted(outcomes.items()):
-            requests.add_metric([method, outcome], n)
+        # Derived, not counted per call: every call answered is in its method's latency
+        # histogram, and every failed one in the failures by kind and method.
+        methods = {*self._methods, *total.latency}
+        for method in sorted(methods):
+            hist = total.latency.get(method)
+            failed = {k: total.exceptions.get((k, method), 0) for k in CALL_FAILURES}
+            answered = sum(hist.counts) if hist is not None else 0
+            requests.add_metric([method, OK], answered - sum(failed.values()))
+            for kind, n in failed.items():
+                requests.add_metric([method, kind], n)
         yield requests
         exceptions = CounterMetricFamily(
             "snowflake_exceptions",

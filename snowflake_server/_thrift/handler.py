@@ -32,7 +32,7 @@ from thriftpy2.transport import TCyMemoryBuffer
 from .._errors import InvalidUserAgentError, RequestError, WouldBlock
 from .._ids.generator import GeneratorSettings, IdSource
 from .._observability.audit import AuditLog
-from .._observability.metrics import OK, ConnectionStats, ServiceMetrics
+from .._observability.metrics import ConnectionStats, ServiceMetrics
 from .fastpath import get_id_reply
 
 __all__ = [
@@ -244,8 +244,8 @@ class Processor:
             raise
         except Exception as e:  # noqa: BLE001 - mapped exactly as the reference path maps it
             spec = self._get_id_spec
-            mtype, reply, kind = self._failure("get_id", spec, spec.result_cls(), e)
-            self._stats.observe("get_id", time.perf_counter() - start, kind)
+            mtype, reply = self._failure("get_id", spec, spec.result_cls(), e)
+            self._stats.observe("get_id", time.perf_counter() - start)
             return frame(encode("get_id", mtype, int.from_bytes(seqid, "big", signed=True), reply))
         self._stats.observe("get_id", time.perf_counter() - start)
         return get_id_reply(seqid, id_)
@@ -279,23 +279,22 @@ class Processor:
         result = spec.result_cls()
         reply: Any = result
         mtype = TMessageType.REPLY
-        outcome = OK
         try:
             result.success = method(*spec.arguments(args))
         except WouldBlock:
             raise
         except Exception as e:  # noqa: BLE001 - any bug must still reach the client as a reply
-            mtype, reply, outcome = self._failure(name, spec, result, e)
+            mtype, reply = self._failure(name, spec, result, e)
         # Counted before the reply goes out: a client that scrapes right after its
         # call sees the call counted.
-        self._stats.observe(name, time.perf_counter() - start, outcome)
+        self._stats.observe(name, time.perf_counter() - start)
         _write(oprot, name, mtype, seqid, reply)
 
     def _failure(
         self, name: str, spec: _MethodSpec, result: Any, error: Exception
-    ) -> tuple[int, Any, str]:
-        """The reply to a call that raised ``error`` (its declared exception in
-        ``result``, or an application error: INTERNAL_ERROR) and the kind counted."""
+    ) -> tuple[int, Any]:
+        """The reply to a call that raised ``error``: its declared exception in
+        ``result``, or an application error (INTERNAL_ERROR); counted by kind."""
         if isinstance(error, RequestError):
             # The most specific declared base: ReservationError is an UnavailableError.
             mro = type(error).__mro__
@@ -304,16 +303,12 @@ class Processor:
                 field, idl_cls, kind = declared
                 setattr(result, field, idl_cls(message=str(error)))
                 self._stats.count_exception(kind, name)
-                return TMessageType.REPLY, result, kind
+                return TMessageType.REPLY, result
         log.exception("internal error in %s", name, exc_info=error)
         self._stats.count_exception("internal_error", name)
-        return (
-            TMessageType.EXCEPTION,
-            TApplicationException(
-                TApplicationException.INTERNAL_ERROR,
-                f"internal error in {name}: {type(error).__name__}: {error}",
-            ),
-            "internal_error",
+        return TMessageType.EXCEPTION, TApplicationException(
+            TApplicationException.INTERNAL_ERROR,
+            f"internal error in {name}: {type(error).__name__}: {error}",
         )
 
 

@@ -552,26 +552,6 @@ def test_tls_with_a_context_that_trusts_the_servers_ca(
 # -- arguments and life cycle -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"timeout": 0},
-        {"connect_timeout": -1},
-        {"attempts": 0},
-        {"pool_size": -1},
-        {"prefetch": -5},
-        {"prefetch_max_age": 0},
-        {"refresh_interval": 0},
-        {"transport": "http"},
-        {"servers": []},
-        {"clock": 5.0},
-    ],
-)
-def test_bad_pool_arguments_are_refused(kwargs: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match=r"must|no servers"):
-        AsyncSnowflakePool(**kwargs)
-
-
 def test_leaving_async_with_closes_every_connection(server: InProcessServer) -> None:
     async def test() -> AsyncSnowflakePool:
         async with AsyncSnowflakePool(address(server), prefetch=10) as pool:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from snowflake_thrift_client import (
+    AsyncSnowflakePool,
     CallFailedError,
     ClockMovedBackwardsError,
     InvalidCountError,
@@ -294,9 +295,10 @@ def test_prefetch_without_max_age_keeps_ids_however_old(
         {"clock": 5.0},
     ],
 )
-def test_bad_pool_arguments_are_refused(kwargs: dict[str, Any]) -> None:
+@pytest.mark.parametrize("pool", [SnowflakePool, AsyncSnowflakePool])
+def test_bad_pool_arguments_are_refused(pool: type[Any], kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=r"must|no servers"):
-        SnowflakePool(**kwargs)
+        pool(**kwargs)
 
 
 def test_a_closed_pool_refuses_calls(server: InProcessServer) -> None:

@@ -269,3 +269,17 @@ def test_a_port_taken_between_bind_and_listen_is_a_configuration_error() -> None
                 server.listen()
         finally:
             server.close()
+
+
+def test_a_stop_asked_before_the_loop_runs_keeps_its_delay() -> None:
+    # SIGTERM right after the ready line: the drain still runs before the stop.
+    server = ThriftServer(cast(Any, None), cast(Any, None), ServerSettings(port=0).thrift)
+    try:
+        server.bind()
+        server.request_shutdown(after_s=0.3)
+        server.request_shutdown(after_s=60)  # a later, longer one does not delay it
+        started = time.monotonic()
+        server.serve_forever()
+        assert time.monotonic() - started >= 0.3
+    finally:
+        server.close()
