@@ -48,10 +48,14 @@ struct AuditLogEntry {
 
 /**
  * How this server packs ids, so that clients can decode them locally:
- * id = ((ms - epoch_ms) << (datacenter_id_bits + worker_id_bits + sequence_bits))
+ * id = ((ms - epoch_ms) << (clock_sequence_bits + datacenter_id_bits + worker_id_bits
+ *                           + sequence_bits))
+ *    | (clock_sequence << (datacenter_id_bits + worker_id_bits + sequence_bits))
  *    | (datacenter_id << (worker_id_bits + sequence_bits))
  *    | (worker_id << sequence_bits)
  *    | sequence
+ * clock_sequence_bits is 0 unless the server runs with --clock-sequence-bits; a
+ * server from before it leaves the field out, which means 0.
  */
 struct Layout {
   1: i64 epoch_ms,
@@ -61,6 +65,7 @@ struct Layout {
   5: i32 sequence_bits,
   6: i64 datacenter_id,
   7: i64 worker_id,
+  8: i32 clock_sequence_bits,
 }
 
 service Snowflake {

@@ -46,6 +46,7 @@ _LAYOUT_OPTIONS = (
     "datacenter_id_bits",
     "worker_id_bits",
     "sequence_bits",
+    "clock_sequence_bits",
 )
 
 
@@ -209,9 +210,12 @@ def _decode(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             described.append(decoded)
         else:
             # Printed as each comes: a long input needs no memory for its output.
+            clock = (
+                f"\n  clock seq   {decoded['clock_sequence']}" if layout.clock_sequence_bits else ""
+            )
             print(
                 f"{decoded['id']}\n  time        {decoded['time']} ({decoded['timestamp_ms']} ms)"
-                f"\n  datacenter  {decoded['datacenter_id']}\n  worker      "
+                f"{clock}\n  datacenter  {decoded['datacenter_id']}\n  worker      "
                 f"{decoded['worker_id']}\n  sequence    {decoded['sequence']}"
             )
     if args.json:

@@ -7,6 +7,8 @@ export interface Layout {
   readonly datacenterIdBits: number;
   readonly workerIdBits: number;
   readonly sequenceBits: number;
+  /** bits between the timestamp and the datacenter id; 0 unless the server runs with --clock-sequence-bits */
+  readonly clockSequenceBits: number;
 }
 
 /** The server's snake_case layout: GET /v1/layout, or the Thrift get_layout reply. */
@@ -16,6 +18,8 @@ export interface LayoutJSON {
   readonly datacenter_id_bits: number;
   readonly worker_id_bits: number;
   readonly sequence_bits: number;
+  /** left out (or null) by a server from before clock sequences: 0 */
+  readonly clock_sequence_bits?: number | null;
   readonly [other: string]: unknown;
 }
 
@@ -29,6 +33,8 @@ export interface DecodedId {
   readonly datacenterId: number;
   readonly workerId: number;
   readonly sequence: number;
+  /** the clock-sequence value the server made the id with; always 0 in a layout without one */
+  readonly clockSequence: number;
 }
 
 export interface IdParts {
@@ -36,15 +42,18 @@ export interface IdParts {
   readonly datacenterId: number | bigint;
   readonly workerId: number | bigint;
   readonly sequence: number | bigint;
+  /** 0 if left out */
+  readonly clockSequence?: number | bigint;
 }
 
-/** Twitter's layout, the server's default: epoch 1288834974657, 41/5/5/12 bits. */
+/** Twitter's layout, the server's default: epoch 1288834974657, 41/5/5/12 bits, no clock sequence. */
 export declare const DEFAULT_LAYOUT: Readonly<{
   epochMs: 1288834974657;
   timestampBits: 41;
   datacenterIdBits: 5;
   workerIdBits: 5;
   sequenceBits: 12;
+  clockSequenceBits: 0;
 }>;
 
 /**
@@ -64,5 +73,8 @@ export declare function decode(id: string | bigint, layout?: Partial<Layout>): D
  */
 export declare function compose(parts: IdParts, layout?: Partial<Layout>): bigint;
 
-/** A Layout from the server's snake_case JSON; its other fields are ignored. */
+/**
+ * A Layout from the server's snake_case JSON; its other fields are ignored, and a missing
+ * or null clock_sequence_bits is 0.
+ */
 export declare function layoutFromJSON(json: LayoutJSON): Layout;

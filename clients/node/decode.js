@@ -3,12 +3,18 @@
 //   const { decode } = require("./decode");        // or: import { decode } from "./decode.js";
 //   decode("910499571847892992");
 //   // { id: 910499571847892992n, timestampMs: 1505914988849,
-//   //   time: 2017-09-20T13:43:08.849Z, datacenterId: 17, workerId: 25, sequence: 0 }
+//   //   time: 2017-09-20T13:43:08.849Z, datacenterId: 17, workerId: 25, sequence: 0,
+//   //   clockSequence: 0 }
 //
 // Ids exceed 2^53, past which a Number loses digits: pass them as decimal strings or as
-// BigInt, never as Numbers. An id is 0 | timestamp | datacenter | worker | sequence,
-// with Twitter's widths (41/5/5/12 bits, epoch 1288834974657) unless a layout says
-// otherwise. Checked against clients/testdata/decode-vectors.json by decode.test.js.
+// BigInt, never as Numbers. An id is
+// 0 | timestamp | clock sequence | datacenter | worker | sequence, with Twitter's widths
+// (41/5/5/12 bits, epoch 1288834974657, no clock sequence) unless a layout says
+// otherwise. A clock sequence has bits only when the server runs with
+// --clock-sequence-bits: it is a value the server moves to when its clock steps back, so
+// that its ids at times it already used stay unique. The timestamp stays in the top
+// bits, so ids still sort by time first.
+// Checked against clients/testdata/decode-vectors.json by decode.test.js.
 "use strict";
 
 /** Twitter's layout, the server's default. */
@@ -18,6 +24,7 @@ const DEFAULT_LAYOUT = Object.freeze({
   datacenterIdBits: 5,
   workerIdBits: 5,
   sequenceBits: 12,
+  clockSequenceBits: 0,
 });
 
 // The sign bit stays 0, so that every language's signed 64-bit integer holds an id.
@@ -35,7 +42,12 @@ const JSON_KEYS = {
   datacenterIdBits: "datacenter_id_bits",
   workerIdBits: "worker_id_bits",
   sequenceBits: "sequence_bits",
+  clockSequenceBits: "clock_sequence_bits",
 };
+// A server from before clock sequences leaves clock_sequence_bits out of its layout (and
+// Thrift stubs made from the new IDL then hold null): it has none, so layoutFromJSON
+// reads a missing one as 0. Every other field is required.
+const JSON_DEFAULTS = { clock_sequence_bits: 0 };
 
 function describe(value) {
   if (typeof value === "string") return JSON.stringify(value.length > 40 ? `${value.slice(0, 40)}...` : value);
@@ -78,20 +90,33 @@ function resolve(layout) {
   const datacenterIdBits = checkedInteger("datacenterIdBits", merged.datacenterIdBits, 0n, BigInt(MAX_FIELD_BITS));
   const workerIdBits = checkedInteger("workerIdBits", merged.workerIdBits, 0n, BigInt(MAX_FIELD_BITS));
   const sequenceBits = checkedInteger("sequenceBits", merged.sequenceBits, 1n, BigInt(MAX_FIELD_BITS));
-  const total = timestampBits + datacenterIdBits + workerIdBits + sequenceBits;
+  const clockSequenceBits = checkedInteger("clockSequenceBits", merged.clockSequenceBits, 0n, BigInt(MAX_FIELD_BITS));
+  const total = timestampBits + clockSequenceBits + datacenterIdBits + workerIdBits + sequenceBits;
   if (total > BigInt(ID_BITS)) {
-    throw new RangeError(`the layout needs ${total} bits but an id has ${ID_BITS}`);
+    // As the server says it: every width, and where a clock sequence's bits can come from.
+    const clock = clockSequenceBits ? ` + clockSequenceBits ${clockSequenceBits}` : "";
+    const hint = clockSequenceBits
+      ? "; take the clock sequence's bits from the node id (fewer datacenterIdBits or workerIdBits)"
+      : "";
+    throw new RangeError(
+      `the layout needs ${total} bits (timestampBits ${timestampBits}${clock} + datacenterIdBits ` +
+        `${datacenterIdBits} + workerIdBits ${workerIdBits} + sequenceBits ${sequenceBits}) but an id ` +
+        `has ${ID_BITS}${hint}`,
+    );
   }
   const workerShift = sequenceBits;
   const datacenterShift = workerShift + workerIdBits;
-  const timestampShift = datacenterShift + datacenterIdBits;
+  const clockSequenceShift = datacenterShift + datacenterIdBits;
+  const timestampShift = clockSequenceShift + clockSequenceBits;
   return {
     epoch,
     maxId: (1n << (timestampShift + timestampBits)) - 1n,
     maxTimestamp: epoch + (1n << timestampBits) - 1n,
     timestampShift,
+    clockSequenceShift,
     datacenterShift,
     workerShift,
+    clockSequenceMask: (1n << clockSequenceBits) - 1n,
     datacenterMask: (1n << datacenterIdBits) - 1n,
     workerMask: (1n << workerIdBits) - 1n,
     sequenceMask: (1n << sequenceBits) - 1n,
@@ -117,7 +142,8 @@ function toBigInt(id) {
  * @param {Partial<typeof DEFAULT_LAYOUT>} [layout] the server's layout; omitted fields (or
  *   all of it) are Twitter's
  * @returns {{id: bigint, timestampMs: number, time: Date, datacenterId: number,
- *   workerId: number, sequence: number}} timestampMs is ms since 1970 (UTC)
+ *   workerId: number, sequence: number, clockSequence: number}} timestampMs is ms since
+ *   1970 (UTC); clockSequence is 0 in a layout without one
  * @throws {TypeError} not a string or BigInt, a string that is not a decimal integer, or
  *   a layout with unknown keys
  * @throws {RangeError} negative, 2^63 or more, wider than the layout, or a timestamp past
@@ -141,6 +167,7 @@ function decode(id, layout) {
     datacenterId: Number((value >> l.datacenterShift) & l.datacenterMask),
     workerId: Number((value >> l.workerShift) & l.workerMask),
     sequence: Number(value & l.sequenceMask),
+    clockSequence: Number((value >> l.clockSequenceShift) & l.clockSequenceMask),
   };
 }
 
@@ -148,7 +175,8 @@ function decode(id, layout) {
  * The id of these parts, as a BigInt: the inverse of decode.
  *
  * @param {{timestampMs: number | bigint, datacenterId: number | bigint,
- *   workerId: number | bigint, sequence: number | bigint}} parts
+ *   workerId: number | bigint, sequence: number | bigint,
+ *   clockSequence?: number | bigint}} parts clockSequence left out is 0
  * @param {Partial<typeof DEFAULT_LAYOUT>} [layout]
  * @throws {TypeError} a part that is not an integer
  * @throws {RangeError} a part that does not fit its field
@@ -162,8 +190,15 @@ function compose(parts, layout) {
   const datacenterId = checkedInteger("datacenterId", parts.datacenterId, 0n, l.datacenterMask);
   const workerId = checkedInteger("workerId", parts.workerId, 0n, l.workerMask);
   const sequence = checkedInteger("sequence", parts.sequence, 0n, l.sequenceMask);
+  // Left out is 0, so that parts written before clock sequences still compose; but a
+  // null or a "2" is a mistake, not a 0.
+  const clockSequence =
+    parts.clockSequence === undefined
+      ? 0n
+      : checkedInteger("clockSequence", parts.clockSequence, 0n, l.clockSequenceMask);
   return (
     ((timestamp - l.epoch) << l.timestampShift) |
+    (clockSequence << l.clockSequenceShift) |
     (datacenterId << l.datacenterShift) |
     (workerId << l.workerShift) |
     sequence
@@ -172,7 +207,8 @@ function compose(parts, layout) {
 
 /**
  * A layout from the server's snake_case JSON: GET /v1/layout, or the fields of the
- * Thrift get_layout reply. Other fields (datacenter_id, worker_id) are ignored.
+ * Thrift get_layout reply. Other fields (datacenter_id, worker_id) are ignored, and a
+ * missing or null clock_sequence_bits (a server from before it) is 0.
  *
  * @throws {TypeError} a missing field; {RangeError} a layout no server could have
  */
@@ -182,8 +218,9 @@ function layoutFromJSON(json) {
   }
   const layout = {};
   for (const [key, jsonKey] of Object.entries(JSON_KEYS)) {
-    if (!(jsonKey in json)) throw new TypeError(`the layout's JSON has no ${JSON.stringify(jsonKey)}`);
-    layout[key] = json[jsonKey];
+    if (jsonKey in JSON_DEFAULTS && json[jsonKey] == null) layout[key] = JSON_DEFAULTS[jsonKey];
+    else if (jsonKey in json) layout[key] = json[jsonKey];
+    else throw new TypeError(`the layout's JSON has no ${JSON.stringify(jsonKey)}`);
   }
   resolve(layout);
   return Object.freeze(layout);

@@ -42,6 +42,8 @@ LAYOUTS: dict[str, Layout] = {
         worker_id_bits=8,
         sequence_bits=12,
     ),
+    # Two clock-sequence bits between the timestamp and a 3-bit datacenter field.
+    "cs-41-2-3-5-12": Layout(datacenter_id_bits=3, clock_sequence_bits=2),
 }
 
 _UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -66,6 +68,7 @@ class _Batch:
     worker_id: int
     count: int = 1
     keep: tuple[int, ...] | None = None  # None: every id
+    clock_sequence: int = 0
 
 
 def _max_ms(name: str) -> int:
@@ -133,6 +136,25 @@ def _batches() -> list[_Batch]:
             count=4096,
             keep=(4095,),
         ),
+        _Batch(
+            "clock sequence 2, the same ms as seed 003",
+            "cs-41-2-3-5-12",
+            1505914988849,
+            5,
+            25,
+            count=2,
+            clock_sequence=2,
+        ),
+        _Batch(
+            "the layout's last id: 2^63 - 1",
+            "cs-41-2-3-5-12",
+            _max_ms("cs-41-2-3-5-12"),
+            7,
+            31,
+            count=4096,
+            keep=(4095,),
+            clock_sequence=3,
+        ),
     ]
 
 
@@ -154,6 +176,7 @@ _INVALID: list[tuple[str, str, str, str]] = [
     ("unix-43-3-7-10", str(2**63), "range", "2^63: the sign bit"),
     ("2020-39-0-8-12", str(2**59), "range", "2^59: wider than the layout's 59 bits"),
     ("2020-39-0-8-12", str(2**63 - 1), "range", "an int64, but wider than the layout"),
+    ("cs-41-2-3-5-12", str(2**63), "range", "2^63: the sign bit"),
 ]
 
 
@@ -174,11 +197,14 @@ def _valid() -> list[dict[str, object]]:
         )
         ms = batch.timestamp_ms
         stopped_clock = itertools.repeat(ms).__next__  # every reading: ms
-        ids = IdGenerator(settings, clock=stopped_clock).next_ids(batch.count)
+        generator = IdGenerator(settings, clock=stopped_clock, clock_sequence=batch.clock_sequence)
+        ids = generator.next_ids(batch.count)
         for sequence in batch.keep if batch.keep is not None else range(batch.count):
             id_ = ids[sequence]
             # The generator and compose are separate code: both must agree.
-            expected = layout.compose(ms, batch.datacenter_id, batch.worker_id, sequence)
+            expected = layout.compose(
+                ms, batch.datacenter_id, batch.worker_id, sequence, batch.clock_sequence
+            )
             if id_ != expected:
                 raise RuntimeError(f"{batch}: the generator made {id_}, compose {expected}")
             vectors.append(
@@ -191,6 +217,7 @@ def _valid() -> list[dict[str, object]]:
                     "datacenter_id": batch.datacenter_id,
                     "worker_id": batch.worker_id,
                     "sequence": sequence,
+                    "clock_sequence": batch.clock_sequence,
                 }
             )
     return vectors
@@ -203,6 +230,7 @@ def _layout_json(layout: Layout) -> dict[str, int]:
         "datacenter_id_bits": layout.datacenter_id_bits,
         "worker_id_bits": layout.worker_id_bits,
         "sequence_bits": layout.sequence_bits,
+        "clock_sequence_bits": layout.clock_sequence_bits,
     }
 
 

@@ -3,7 +3,9 @@ cluster's layout beside it, and ZooKeeper calls bounded in time.
 
 A mark is stored as JSON, ``{"mark_ms": N, "layout": {...}}``: a mark only guards
 the ids of the layout it was made under. A plain number (0.1.0 wrote those) is a
-mark of the layout in use.
+mark of the layout in use. A layout with a clock sequence adds the mark of each
+value and the value in use: ``"marks_ms": [...], "clock_sequence": N``, ``mark_ms``
+being the newest of the marks.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from snowflake_thrift_client import Layout
 from .._errors import ConfigurationError, ReservationError, StartupRefused
 from .._ids.clocks import pause
 from .._state.reservation import MarkStore
-from .._state.statefile import LAYOUT_FIELDS, layout_to_json
+from .._state.statefile import layout_to_json, valid_layout_json
 
 __all__ = [
     "ZK_MARK_AHEAD_MS",
@@ -47,8 +49,9 @@ _OP_TIMEOUT_S = 2.0
 
 def layout_from_json(value: object) -> Layout:
     """The layout of a JSON object; ``ValueError`` if it is not one."""
-    if not isinstance(value, dict) or set(value) != set(LAYOUT_FIELDS):
+    if not valid_layout_json(value):
         raise ValueError(f"not a layout: {value!r}")
+    assert isinstance(value, dict)
     try:
         return Layout(**value)
     except ConfigurationError as e:
@@ -56,7 +59,14 @@ def layout_from_json(value: object) -> Layout:
 
 
 def describe_layout(layout: Layout) -> str:
-    """``epoch 1288834974657 ms, bits 41/5/5/12 (timestamp/datacenter/worker/sequence)``."""
+    """``epoch 1288834974657 ms, bits 41/5/5/12 (timestamp/datacenter/worker/sequence)``;
+    a clock sequence adds its bits after the timestamp's."""
+    if layout.clock_sequence_bits:
+        return (
+            f"epoch {layout.epoch_ms} ms, bits {layout.timestamp_bits}/"
+            f"{layout.clock_sequence_bits}/{layout.datacenter_id_bits}/{layout.worker_id_bits}/"
+            f"{layout.sequence_bits} (timestamp/clock sequence/datacenter/worker/sequence)"
+        )
     return (
         f"epoch {layout.epoch_ms} ms, bits {layout.timestamp_bits}/{layout.datacenter_id_bits}/"
         f"{layout.worker_id_bits}/{layout.sequence_bits} (timestamp/datacenter/worker/sequence)"
@@ -130,14 +140,19 @@ class ZkMarkStore(MarkStore):
         session: int,
         on_lost: Callable[[str], None],
         layout: Layout | None = None,
+        marks: tuple[tuple[int, ...], int] | None = None,
     ) -> None:
-        super().__init__(mark_ms)
+        layout = layout or Layout()
+        by_value, value = marks or ((), 0)
+        if not by_value and layout.clock_sequence_bits:
+            by_value = (mark_ms, *[-1] * layout.max_clock_sequence)
+        super().__init__(mark_ms, by_value, value)
         self._client = client
         self._path = path
         self._version = version  # None: the znode does not exist yet
         self._session = session
         self._on_lost = on_lost
-        self._layout = layout_to_json(layout or Layout())
+        self._layout = layout_to_json(layout)
 
     @classmethod
     def load(
@@ -158,10 +173,10 @@ class ZkMarkStore(MarkStore):
         session = session_id(zk, f"loading the high-water mark {path}")
         try:
             data, stat = zk_call(zk, timeout_s, f"loading the high-water mark {path}", "get", path)
-            mark, version = _parse_mark(path, data, ours), stat.version
+            marks, version = _parse_mark(path, data, ours), stat.version
         except NoNodeError:
-            mark, version = -1, None
-        return cls(client, path, mark, version, session, on_lost, ours)
+            marks, version = ((-1,) * (ours.max_clock_sequence + 1), 0), None
+        return cls(client, path, max(marks[0]), version, session, on_lost, ours, marks)
 
     @property
     def where(self) -> str:
@@ -170,9 +185,12 @@ class ZkMarkStore(MarkStore):
     def _target(self, mark_ms: int) -> int:
         return -(-mark_ms // 1000) * 1000  # whole seconds: about one write a second
 
-    def _store(self, mark_ms: int) -> None:
+    def _store(self, marks: tuple[int, ...], clock_sequence: int) -> None:
         zk = self._client()
-        data = json.dumps({"mark_ms": mark_ms, "layout": self._layout}).encode()
+        record: dict[str, object] = {"mark_ms": max(marks), "layout": self._layout}
+        if len(marks) > 1:
+            record.update(marks_ms=list(marks), clock_sequence=clock_sequence)
+        data = json.dumps(record).encode()
         if zk is None:
             raise ReservationError(f"not writing {self._path}: no ZooKeeper client")
         owner = zk.client_id
@@ -207,17 +225,32 @@ class ZkMarkStore(MarkStore):
             ) from None
 
 
-def _parse_mark(path: str, data: bytes, ours: Layout) -> int:
-    """The mark in ``data``: JSON with its layout, or a plain number (0.1.0's)."""
+def _parse_mark(path: str, data: bytes, ours: Layout) -> tuple[tuple[int, ...], int]:
+    """The marks in ``data`` (one per clock-sequence value) and the value in use: JSON
+    with its layout, or a plain number (0.1.0's)."""
     try:
         value = json.loads(data.decode())
         if isinstance(value, int) and not isinstance(value, bool):
-            return value  # 0.1.0 recorded no layout: a mark of the one in use
-        if not isinstance(value, dict) or set(value) != {"mark_ms", "layout"}:
+            # 0.1.0 recorded no layout: a mark of the one in use (which had no clock sequence)
+            return (value, *[-1] * ours.max_clock_sequence), 0
+        if not isinstance(value, dict) or set(value) not in (
+            {"mark_ms", "layout"},
+            {"mark_ms", "layout", "marks_ms", "clock_sequence"},
+        ):
             raise ValueError(f"neither a number nor a mark with its layout: {value!r}")
         mark = value["mark_ms"]
         if not isinstance(mark, int) or isinstance(mark, bool):
             raise ValueError(f"mark_ms is not a number: {mark!r}")
+        by_value, in_use = value.get("marks_ms", [mark]), value.get("clock_sequence", 0)
+        if not (
+            isinstance(by_value, list)
+            and by_value
+            and all(type(m) is int for m in by_value)
+            and max(by_value) == mark
+            and type(in_use) is int
+            and 0 <= in_use < len(by_value)
+        ):
+            raise ValueError(f"bad clock-sequence marks {by_value!r} (in use: {in_use!r})")
         recorded = layout_from_json(value["layout"])
     except (ValueError, UnicodeDecodeError) as e:
         raise StartupRefused(
@@ -232,4 +265,9 @@ def _parse_mark(path: str, data: bytes, ours: Layout) -> int:
             "started with (--epoch and the --*-bits flags)",
             epoch_only=replace(recorded, epoch_ms=ours.epoch_ms) == ours,
         )
-    return mark
+    if len(by_value) != ours.max_clock_sequence + 1:
+        raise StartupRefused(
+            f"the high-water mark in ZooKeeper {path} holds {len(by_value)} clock-sequence "
+            f"marks for a layout with {ours.max_clock_sequence + 1}: repair it by hand"
+        )
+    return tuple(by_value), in_use

@@ -92,6 +92,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("datacenter_id_bits", int, "Bits of an id holding the datacenter id.", "N"),
     Option("worker_id_bits", int, "Bits of an id holding the worker id.", "N"),
     Option("sequence_bits", int, "Bits of an id holding the per-ms sequence.", "N"),
+    Option("clock_sequence_bits", int,
+           "Bits of an id holding a clock sequence, between the timestamp and the "
+           "datacenter id (0: none; take them from the datacenter or worker bits). On a "
+           "clock step back beyond --max-backwards-ms, and at a start with the clock "
+           "behind the high-water mark, the server moves to another clock-sequence value "
+           "instead of refusing or waiting: ids stay unique but are then no longer "
+           "increasing on this worker.", "N"),
     Option("max_backwards_ms", int,
            "A clock step back of at most this many ms is waited out; a larger one is "
            "refused with InvalidSystemClock. 0: always refuse (Twitter's behaviour). "
@@ -191,7 +198,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("server", ("host", "port", "transport", "idle_timeout", "processes", "reuse_port",
                 "drain_seconds", "http_host", "http_port")),
     ("ids & layout", ("datacenter_id", "worker_id", "epoch", "timestamp_bits",
-                      "datacenter_id_bits", "worker_id_bits", "sequence_bits", "sequence_start")),
+                      "datacenter_id_bits", "worker_id_bits", "sequence_bits",
+                      "clock_sequence_bits", "sequence_start")),
     ("clock & state", ("max_backwards_ms", "state_dir", "max_startup_wait",
                        "discard_corrupt_state", "first_start_wait", "host_lock_scope")),
     ("cluster", ("zookeeper", "zk_path", "advertise_host", "advertise_port", "max_peer_skew",

@@ -162,6 +162,7 @@ class ServerSettings:
     datacenter_id_bits: int = 5
     worker_id_bits: int = 5
     sequence_bits: int = 12
+    clock_sequence_bits: int = 0
     max_backwards_ms: int = 5
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9990
@@ -288,6 +289,7 @@ def layout_from(values: Any) -> Layout:
         datacenter_id_bits=values.datacenter_id_bits,
         worker_id_bits=values.worker_id_bits,
         sequence_bits=values.sequence_bits,
+        clock_sequence_bits=values.clock_sequence_bits,
     )
 
 

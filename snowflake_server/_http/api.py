@@ -39,7 +39,7 @@ from .._errors import (
     WouldBlock,
 )
 from .._observability.metrics import NO_METHOD, ConnectionStats
-from .._state.statefile import layout_to_json
+from .._state.statefile import layout_fields
 from .._thrift.handler import SnowflakeHandler
 from .openapi import openapi_document
 
@@ -220,7 +220,7 @@ class HttpApi:
     def _layout(self, _query: dict[str, list[str]]) -> dict[str, object]:
         settings = self._handler.settings
         return {
-            **layout_to_json(settings.layout),
+            **layout_fields(settings.layout),
             "datacenter_id": settings.datacenter_id,
             "worker_id": settings.worker_id,
         }

@@ -69,7 +69,15 @@ def openapi_document() -> bytes:
     """The document, as the JSON bytes served."""
     decoded = {
         "type": "object",
-        "required": ["id", "time", "timestamp_ms", "datacenter_id", "worker_id", "sequence"],
+        "required": [
+            "id",
+            "time",
+            "timestamp_ms",
+            "datacenter_id",
+            "worker_id",
+            "sequence",
+            "clock_sequence",
+        ],
         "properties": {
             "id": _ID,
             "time": {"type": "string", "description": "ISO-8601, UTC, ms precision."},
@@ -77,6 +85,11 @@ def openapi_document() -> bytes:
             "datacenter_id": {"type": "integer", "minimum": 0},
             "worker_id": {"type": "integer", "minimum": 0},
             "sequence": {"type": "integer", "minimum": 0},
+            "clock_sequence": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "The clock-sequence value (0 unless the layout has one).",
+            },
         },
     }
     fields = (*LAYOUT_FIELDS, "datacenter_id", "worker_id")

@@ -4,14 +4,22 @@ Time is an input: an ``IdGenerator`` reads the time only through the ``clock``
 it is given (ms since the Unix epoch) and waits only through the ``sleep`` it
 is given, so tests drive it with a fake clock and servers with the real one.
 How ids are packed is the client package's :class:`Layout`.
+
+With a clock sequence in the layout (``clock_sequence_bits``), a clock that
+steps back further than the tolerance does not refuse calls: the generator moves
+to another clock-sequence value whose used times the clock is past, and issues at
+the earlier time under it. An id is then unique as long as no (timestamp, clock
+sequence) pair is used twice, which the generator keeps to by remembering, per
+value, the newest timestamp used with it. Ids stop increasing across such a move.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Literal, Protocol
 
@@ -34,8 +42,11 @@ __all__ = [
     "IdGenerator",
     "IdSource",
     "forbid_waiting",
+    "pick_clock_sequence",
     "waiting_forbidden",
 ]
+
+log = logging.getLogger(__name__)
 
 # Threads that must not wait (an event loop's): a call there that would wait longer
 # than _LOOP_WAIT_LIMIT_MS, or for a new reservation, raises WouldBlock instead,
@@ -108,6 +119,7 @@ class GeneratorCounters:
     clock_backwards_refused: int = 0
     sequence_exhausted_waits: int = 0
     reservation_stalls: int = 0
+    clock_sequence_switches: int = 0
 
     def __add__(self, other: GeneratorCounters) -> GeneratorCounters:
         return GeneratorCounters(
@@ -127,6 +139,18 @@ class IdSource(Protocol):
     def next_ids(self, count: int) -> list[int]: ...
 
     def counters(self) -> GeneratorCounters: ...
+
+
+def pick_clock_sequence(used_until_ms: Sequence[int], first: int, now_ms: int) -> int | None:
+    """The first clock-sequence value, looking from ``first`` on and wrapping, whose
+    used times ``now_ms`` is past (``used_until_ms[value] < now_ms``); None if every
+    value was used at ``now_ms`` or later."""
+    count = len(used_until_ms)
+    for step in range(count):
+        value = (first + step) % count
+        if used_until_ms[value] < now_ms:
+            return value
+    return None
 
 
 # How long to yield while waiting for the next ms after the sequence ran out:
@@ -157,6 +181,17 @@ class IdGenerator:
 
     Its counters are updated under the generator's lock; :meth:`counters`
     reads them at any time.
+
+    With ``clock_sequence_bits`` in the layout, ``clock_sequence`` is the value to
+    start with and ``used_until_ms`` the newest timestamp each value may have used
+    (from the stored marks; -1: never). A backwards step beyond the tolerance then
+    moves to the next value whose times the clock is past (see
+    :func:`pick_clock_sequence`) instead of raising: ``switch(value, ms)`` must
+    persist a mark of at least ``ms`` for ``value`` and return it (or raise) before
+    any id uses it. It is called under the lock (a rare event, and two calls must
+    not move at once); a thread that must not wait gets ``WouldBlock`` instead.
+    Only when every value's times are ahead of the clock does the call raise
+    ``ClockMovedBackwardsError``.
     """
 
     def __init__(
@@ -169,6 +204,9 @@ class IdGenerator:
         resume_after_ms: int = -1,
         ceiling_ms: int | None = None,
         reserve: Callable[[int], int] | None = None,
+        clock_sequence: int = 0,
+        used_until_ms: Sequence[int] = (),
+        switch: Callable[[int, int], int] | None = None,
     ) -> None:
         layout = settings.layout
         now = clock()
@@ -191,7 +229,22 @@ class IdGenerator:
         # Hot-path constants, read once instead of through properties per id.
         self._epoch = layout.epoch_ms
         self._ts_shift = layout.timestamp_shift
-        self._node = layout.node_bits(settings.datacenter_id, settings.worker_id)
+        self._node_ids = layout.node_bits(settings.datacenter_id, settings.worker_id)
+        self._clock_sequence_shift = layout.clock_sequence_shift
+        values = layout.max_clock_sequence + 1
+        if len(used_until_ms) > values:
+            raise ConfigurationError(
+                f"{len(used_until_ms)} clock-sequence marks for {values} values"
+            )
+        # The newest timestamp each clock-sequence value may have used; the current
+        # value's entry is stale while it is current (_last_ts is the truth then).
+        self._used_until = [*used_until_ms, *([-1] * (values - len(used_until_ms)))]
+        self._clock_sequence = clock_sequence
+        self._node = self._node_ids | layout.node_bits(0, 0, clock_sequence)
+        if reserve is not None and switch is None and values > 1:
+            raise ConfigurationError("a clock sequence with a reservation needs switch")
+        self._switch = switch
+        self._sealed = False
         self._max_sequence = layout.max_sequence
         self._max_ts = layout.max_timestamp_ms
         self._tolerance = settings.max_backwards_ms
@@ -227,16 +280,25 @@ class IdGenerator:
         self.clock_backwards_refused = 0
         self.sequence_exhausted_waits = 0
         self.reservation_stalls = 0
+        self.clock_sequence_switches = 0
+
+    @property
+    def clock_sequence(self) -> int:
+        """The clock-sequence value new ids are made with (0 without a clock sequence)."""
+        return self._clock_sequence
 
     @property
     def ceiling_ms(self) -> int:
         """No id is stamped after this ms until the ceiling is raised."""
         return self._ceiling
 
-    def raise_ceiling(self, ceiling_ms: int) -> None:
-        """Allow ids up to ``ceiling_ms`` (already persisted by the caller). Never lowers."""
+    def raise_ceiling(self, ceiling_ms: int, clock_sequence: int = 0) -> None:
+        """Allow ids up to ``ceiling_ms`` (already persisted by the caller for
+        ``clock_sequence``). Never lowers; a mark of another value than the current
+        one (written before a switch) is ignored."""
         with self._lock:
-            self._raise_ceiling_locked(ceiling_ms)
+            if clock_sequence == self._clock_sequence:
+                self._raise_ceiling_locked(ceiling_ms)
 
     def _raise_ceiling_locked(self, ceiling_ms: int) -> None:
         # Sealed: stay sealed. Already higher: never lower. Caller holds the lock.
@@ -246,9 +308,19 @@ class IdGenerator:
     def clock_refusal(self) -> str | None:
         """Why a call would be refused for the clock now (``ClockMovedBackwardsError``),
         or None. A probe's reading: without the lock, never blocking."""
-        behind = self._last_ts - self._clock()
+        now = self._clock()
+        behind = self._last_ts - now
         if behind <= self._tolerance:
             return None
+        if len(self._used_until) > 1:
+            used = [*self._used_until]
+            used[self._clock_sequence] = self._last_ts
+            if pick_clock_sequence(used, self._clock_sequence, now) is not None:
+                return None
+            return (
+                f"the clock is {behind} ms behind the newest id and every clock-sequence "
+                f"value was used at a later time: calls are refused with InvalidSystemClock"
+            )
         return (
             f"the clock is {behind} ms behind the newest id (more than --max-backwards-ms "
             f"{self._tolerance}): calls are refused with InvalidSystemClock"
@@ -262,6 +334,7 @@ class IdGenerator:
         """
         with self._lock:
             self._reserve = None
+            self._sealed = True
             self._ceiling = self._last_ts
             # Close the current ms too, keeping the derived id count exact.
             self._ids_before_this_ms += self._sequence - self._first_sequence + 1
@@ -293,7 +366,8 @@ class IdGenerator:
         default) and at most one ms worth (2^sequence_bits).
 
         Raises ``InvalidCountError`` for a count out of range, else as ``next_id``.
-        The batch is all or nothing: an error leaves no id of it issued.
+        The batch is all or nothing: an error leaves no id of it issued. A batch
+        that moved to another clock sequence is sorted, so it is increasing too.
         """
         if type(count) is not int or not 1 <= count <= self._max_batch:
             raise InvalidCountError(
@@ -305,6 +379,7 @@ class IdGenerator:
             self._acquire_contended()
         try:
             waits = (self.sequence_exhausted_waits, self.clock_backwards_waited)
+            switches = self.clock_sequence_switches
             while len(ids) < count:
                 self._advance(self._clock())
                 first = self._sequence
@@ -313,6 +388,8 @@ class IdGenerator:
                 base = self._base
                 ids.extend(range(base + first, base + last + 1))
                 self._sequence = last
+            if self.clock_sequence_switches != switches:
+                ids.sort()  # a move to another clock sequence mid-batch: still increasing
         except BaseException as e:
             self._ids_before_this_ms -= len(ids)  # claimed but never handed out
             if isinstance(e, WouldBlock):  # made again elsewhere: its waits count there
@@ -343,6 +420,7 @@ class IdGenerator:
                 clock_backwards_refused=self.clock_backwards_refused,
                 sequence_exhausted_waits=self.sequence_exhausted_waits,
                 reservation_stalls=self.reservation_stalls,
+                clock_sequence_switches=self.clock_sequence_switches,
             )
 
     def _advance(self, now: int) -> None:
@@ -385,6 +463,10 @@ class IdGenerator:
             else:
                 behind = last - now
                 if behind > self._tolerance:
+                    if len(self._used_until) > 1:
+                        self._switch_clock_sequence(now, behind, waited_full, waited_back)
+                        last = self._last_ts
+                        continue
                     self.clock_backwards_refused += 1
                     raise ClockMovedBackwardsError(behind)
                 if behind > _LOOP_WAIT_LIMIT_MS and waiting_forbidden():
@@ -395,6 +477,52 @@ class IdGenerator:
                     self.clock_backwards_waited += 1
                 self._sleep(behind / 1000)
             now = self._clock()
+
+    def _switch_clock_sequence(
+        self, now: int, behind: int, waited_full: bool, waited_back: bool
+    ) -> None:
+        """Move to the next clock-sequence value whose times ``now`` is past, its mark
+        persisted first; raise ``ClockMovedBackwardsError`` if there is none. Caller
+        holds the lock (and keeps it through the write: see the class docstring)."""
+        current = self._clock_sequence
+        used = self._used_until
+        used[current] = max(used[current], self._last_ts)
+        value = pick_clock_sequence(used, current + 1, now)
+        if value is None:
+            self.clock_backwards_refused += 1
+            raise ClockMovedBackwardsError(
+                behind,
+                f"Clock moved backwards by {behind} milliseconds and every clock-sequence "
+                f"value was used at a later time. Refusing to generate id for {behind} "
+                "milliseconds",
+            )
+        if self._sealed:
+            raise ReservationError("the generator is shut down: no more ids")
+        if waiting_forbidden():
+            self._uncount(waited_full, waited_back)
+            raise WouldBlock(f"the clock is {behind} ms behind: a clock-sequence switch writes")
+        ceiling = self._max_ts
+        if self._switch is not None:
+            ceiling = self._switch(value, now)
+            if ceiling < now:
+                raise ReservationError(
+                    f"switch({value}, {now}) returned {ceiling}, before the ms asked for"
+                )
+        log.warning(
+            "the clock is %d ms behind the newest id: moving from clock sequence %d to %d "
+            "(ids made from now on are lower than some made before)",
+            behind, current, value,
+        )  # fmt: skip
+        self.clock_sequence_switches += 1
+        # Close the current ms (keeping the derived id count exact), then start the new
+        # value just before now: its used times are all before now.
+        self._ids_before_this_ms += self._sequence - self._first_sequence + 1
+        self._first_sequence = self._max_sequence + 1
+        self._sequence = self._max_sequence
+        self._clock_sequence = value
+        self._node = self._node_ids | (value << self._clock_sequence_shift)
+        self._last_ts = now - 1
+        self._ceiling = min(ceiling, self._max_ts)
 
     def _uncount(self, waited_full: bool, waited_back: bool) -> None:
         # A call that raises WouldBlock is made again elsewhere and counts its waits there.
@@ -422,6 +550,7 @@ class IdGenerator:
         # The background renewal fell behind: renew now, on this id's time, and
         # never under the lock (a write to ZooKeeper may take seconds).
         self.reservation_stalls += 1
+        value = self._clock_sequence
         self._release()
         try:
             ceiling = reserve(now)
@@ -429,4 +558,6 @@ class IdGenerator:
             self._acquire()
         if ceiling < now:
             raise ReservationError(f"reserve({now}) returned {ceiling}, before the ms asked for")
-        self._raise_ceiling_locked(ceiling)  # sealed or raised meanwhile: kept so
+        # Another call moved to another clock sequence meanwhile: this mark is not its.
+        if value == self._clock_sequence:
+            self._raise_ceiling_locked(ceiling)  # sealed or raised meanwhile: kept so

@@ -226,6 +226,13 @@ class ServiceMetrics(Collector):
         backwards.add_metric(["refused"], counts.clock_backwards_refused)
         yield backwards
         yield _counter(
+            "clock_sequence_switches",
+            "Times the clock was behind every id of the clock-sequence value in use (beyond "
+            "--max-backwards-ms, or at start-up) and the server moved to another value "
+            "instead of refusing or waiting (--clock-sequence-bits).",
+            counts.clock_sequence_switches,
+        )
+        yield _counter(
             "sequence_exhausted_waits",
             "Times all sequence numbers of a ms were used and generation waited for the next ms.",
             counts.sequence_exhausted_waits,

@@ -12,6 +12,11 @@ and never under the generator's lock. After a crash the next
 start finds a mark at most 1 s ahead of the last id, and waits for the clock
 to pass it: Twitter slept 10 s at every start instead, and Leaf's 3 s
 heartbeat let a quick restart with a small rollback through.
+
+With a clock sequence in the layout a store keeps one mark per clock-sequence
+value, and the value in use when it last wrote. A move to another value
+(:meth:`Reservation.switch`) writes that value's mark, ahead of the clock, to
+every store before any id uses it.
 """
 
 from __future__ import annotations
@@ -99,15 +104,19 @@ class MarkStore(ABC):
     place that decides when a mark is written and counts the writes.
 
     Subclasses say where (:attr:`where`, :attr:`name`) and how (:meth:`_store`,
-    which raises if the mark was not stored); :meth:`_target` may round a mark up
-    to write less often.
+    which raises if the marks were not stored); :meth:`_target` may round a mark
+    up to write less often.
+
+    With a clock sequence, ``marks`` holds one mark per value (-1: none) and
+    ``clock_sequence`` the value in use: each write names the value it is for.
     """
 
     name: str = ""
     """A label value for metrics: "disk", "zookeeper"."""
 
-    def __init__(self, mark_ms: int) -> None:
-        self._written = mark_ms
+    def __init__(self, mark_ms: int, marks: Sequence[int] = (), clock_sequence: int = 0) -> None:
+        self._marks = list(marks) if marks else [mark_ms]
+        self._value = clock_sequence
         self._write_lock = threading.Lock()
         self.writes = 0
         self.write_errors = 0
@@ -119,41 +128,57 @@ class MarkStore(ABC):
 
     @property
     def mark_ms(self) -> int:
-        """The mark last stored or loaded; -1 if none."""
-        return self._written
+        """The mark of the value in use, last stored or loaded; -1 if none."""
+        return self._marks[self._value]
 
-    def advance(self, mark_ms: int) -> int:
-        """Store ``mark_ms`` unless a later one is stored; return the stored mark.
+    @property
+    def marks(self) -> tuple[int, ...]:
+        """The mark of each clock-sequence value (one value without a clock sequence)."""
+        return tuple(self._marks)
 
-        Raises whatever :meth:`_store` raised if the write failed (the old mark
-        is then still in place).
+    @property
+    def clock_sequence(self) -> int:
+        """The clock-sequence value the last write (or the loaded record) was for."""
+        return self._value
+
+    def advance(self, mark_ms: int, clock_sequence: int = 0) -> int:
+        """Store ``mark_ms`` for ``clock_sequence`` unless a later one is stored, and
+        name that value as the one in use; return its stored mark.
+
+        Raises whatever :meth:`_store` raised if the write failed (the old marks
+        are then still in place).
         """
         target = self._target(mark_ms)
         with self._write_lock:
-            if target > self._written:
-                self._write(target)
-            return self._written
+            stored = self._marks[clock_sequence]
+            if target > stored or clock_sequence != self._value:
+                self._write(max(target, stored), clock_sequence)
+            return self._marks[clock_sequence]
 
-    def finish(self, mark_ms: int) -> None:
-        """Store the exact final mark (possibly lower), once ids have stopped."""
+    def finish(self, mark_ms: int, clock_sequence: int = 0) -> None:
+        """Store the exact final mark of ``clock_sequence`` (possibly lower), once ids
+        have stopped."""
         with self._write_lock:
-            self._write(mark_ms)
+            self._write(mark_ms, clock_sequence)
 
     def _target(self, mark_ms: int) -> int:
         return mark_ms
 
-    def _write(self, mark_ms: int) -> None:
+    def _write(self, mark_ms: int, clock_sequence: int) -> None:
+        marks = [*self._marks]
+        marks[clock_sequence] = mark_ms
         try:
-            self._store(mark_ms)
+            self._store(tuple(marks), clock_sequence)
         except BaseException:
             self.write_errors += 1
             raise
-        self._written = mark_ms
+        self._marks, self._value = marks, clock_sequence
         self.writes += 1
 
     @abstractmethod
-    def _store(self, mark_ms: int) -> None:
-        """Persist ``mark_ms``; raise if it was not stored."""
+    def _store(self, marks: tuple[int, ...], clock_sequence: int) -> None:
+        """Persist ``marks`` (one per clock-sequence value) and the value in use;
+        raise if they were not stored."""
 
 
 class Reservation(Collector):
@@ -166,6 +191,7 @@ class Reservation(Collector):
     seals the generator and writes the final, exact mark to every store.
 
     ``wait_s``: how long ``reserve`` waits for the renewal thread once it runs.
+    ``clock_sequence``: the value reserved for until :meth:`switch` moves on.
     """
 
     def __init__(
@@ -175,8 +201,10 @@ class Reservation(Collector):
         *,
         every_s: float = RENEW_EVERY_S,
         wait_s: float = RENEW_WAIT_S,
+        clock_sequence: int = 0,
     ) -> None:
         self._stores = list(stores)
+        self._value = clock_sequence
         self._clock = clock
         self._every = every_s
         self._wait = wait_s
@@ -208,7 +236,7 @@ class Reservation(Collector):
         write failed (which store, and why), or none covers ``now_ms`` in time.
         """
         if self._thread is None:
-            return self._write_all(now_ms)
+            return self._write_all(now_ms, self._value)
         with self._changed:
             if self._ceiling < now_ms:
                 self._wanted = max(self._wanted, now_ms)
@@ -226,6 +254,18 @@ class Reservation(Collector):
             if self._stop.is_set():
                 raise ReservationError("the generator is shut down: no more ids")
             raise ReservationError(self._behind(now_ms))
+
+    def switch(self, clock_sequence: int, now_ms: int) -> int:
+        """Move to ``clock_sequence``: write its mark ahead of ``now_ms`` to every store
+        and return the lowest stored, to be its ceiling; from then on renewals are for
+        it. Raises ``ReservationError`` (and stays on the old value) if a write fails.
+        The generator calls it under its lock, before any id uses the value."""
+        return self._write_all(now_ms, clock_sequence, switching=True)
+
+    @property
+    def clock_sequence(self) -> int:
+        """The clock-sequence value the marks are reserved for."""
+        return self._value
 
     @property
     def failing(self) -> str | None:
@@ -257,13 +297,14 @@ class Reservation(Collector):
             message += f"; its last write failed: {self._last_error}"
         return message
 
-    def _write_all(self, now_ms: int) -> int:
-        """Persist marks ahead of ``now_ms`` in every store; return the lowest stored."""
+    def _write_all(self, now_ms: int, value: int, *, switching: bool = False) -> int:
+        """Persist marks of clock sequence ``value`` ahead of ``now_ms`` in every store;
+        return the lowest stored."""
         ceiling = None
         for store, ahead_ms in self._stores:
             self._writing = (store.where, time.monotonic())
             try:
-                stored = store.advance(now_ms + ahead_ms)
+                stored = store.advance(now_ms + ahead_ms, value)
             except Exception as e:  # noqa: BLE001 - OSError, ZooKeeper errors: all mean "not stored"
                 # Some errors have no text (a ZooKeeper timeout): their type says it.
                 raise ReservationError(
@@ -275,7 +316,13 @@ class Reservation(Collector):
             ceiling = stored if ceiling is None else min(ceiling, stored)
         assert ceiling is not None, "a reservation needs a store"
         with self._changed:
-            self._ceiling = max(self._ceiling, ceiling)
+            if switching:
+                # The new value's ceiling replaces the old one's, even if lower; what
+                # callers asked for of the old value no longer applies.
+                self._value, self._ceiling, self._wanted = value, ceiling, -1
+                self._changed.notify_all()
+            elif value == self._value:  # else written before a switch: not the ceiling now
+                self._ceiling = max(self._ceiling, ceiling)
             self._last_error = ""
         return ceiling
 
@@ -294,8 +341,9 @@ class Reservation(Collector):
                     self._started += 1
                     attempt = self._started
                     now = max(self._clock(), self._wanted)
+                    value = self._value
                 try:
-                    ceiling = self._write_all(now)
+                    ceiling = self._write_all(now, value)
                 except ReservationError as e:
                     with self._changed:
                         self._last_error = str(e)
@@ -307,7 +355,7 @@ class Reservation(Collector):
                         failing = str(e)
                         log.error("%s", e)
                     continue
-                generator.raise_ceiling(ceiling)
+                generator.raise_ceiling(ceiling, value)
                 with self._changed:
                     self._changed.notify_all()
                 if failing:
@@ -317,19 +365,21 @@ class Reservation(Collector):
         self._thread = threading.Thread(target=renew, name="high-water-mark", daemon=True)
         self._thread.start()
 
-    def finish(self, generator: IdGenerator, floor_ms: int) -> None:
-        """Stop renewing, seal ``generator`` and store the newest timestamp it used
-        (at least ``floor_ms``), so that a clean restart need not wait."""
+    def finish(self, generator: IdGenerator) -> None:
+        """Stop renewing, seal ``generator`` and store the newest timestamp it used with
+        its clock sequence, so that a clean restart need not wait."""
         self._stop.set()
         self._wake.set()
         with self._changed:
             self._changed.notify_all()  # callers waiting in reserve() give up at once
         if self._thread is not None:
             self._thread.join()
-        final = max(generator.seal(), floor_ms)
+        # After a first start with no id issued that is -1: no store takes it back.
+        final = max(generator.seal(), 0)
+        value = generator.clock_sequence
         for store, _ in self._stores:
             try:
-                store.finish(final)
+                store.finish(final, value)
             except Exception as e:  # noqa: BLE001 - the reserved mark stays: safe, a wait at most
                 log.error("cannot write the final high-water mark to %s: %s", store.where, e)
 
@@ -352,6 +402,11 @@ class Reservation(Collector):
             writes.add_metric([store.name], store.writes)
             errors.add_metric([store.name], store.write_errors)
         yield from (mark, writes, errors)
+        yield GaugeMetricFamily(
+            "snowflake_clock_sequence",
+            "The clock-sequence value ids are made with now (0 without --clock-sequence-bits).",
+            value=self._value,
+        )
         yield GaugeMetricFamily(
             "snowflake_startup_clock_wait_seconds",
             "How long start-up waited for the clock to pass the previous run's high-water mark.",

@@ -14,6 +14,12 @@ ids under another layout (a later epoch makes lower ids, repeats of old
 ones), so a start under a layout other than the recorded one is refused.
 Format 1 (0.1.0) had no layout: it is taken as written under the current
 layout and rewritten as format 2 by the first write.
+
+Format 3 is written for a layout with a clock sequence: it adds the mark of each
+clock-sequence value (``high_water_marks_ms``) and the value in use
+(``clock_sequence``); ``high_water_mark_ms`` is then the newest of the marks.
+Without a clock sequence the file stays format 2, so that an older server can
+still read it.
 """
 
 from __future__ import annotations
@@ -32,26 +38,53 @@ from snowflake_thrift_client import Layout
 from .._errors import StartupRefused
 from .reservation import MarkStore
 
-__all__ = ["LAYOUT_FIELDS", "STATE_FORMAT", "StateFile", "default_state_dir", "layout_to_json"]
+__all__ = [
+    "LAYOUT_FIELDS",
+    "STATE_FORMAT",
+    "StateFile",
+    "default_state_dir",
+    "layout_fields",
+    "layout_to_json",
+    "valid_layout_json",
+]
 
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = 2
+CLOCK_SEQUENCE_FORMAT = 3
 _UNVERSIONED_LAYOUT = 1  # 0.1.0's format: no layout recorded
 
 LAYOUT_FIELDS = ("epoch_ms", "timestamp_bits", "datacenter_id_bits", "worker_id_bits",
-                 "sequence_bits")  # fmt: skip
+                 "sequence_bits", "clock_sequence_bits")  # fmt: skip
 """What the state file (and a mark in ZooKeeper) records of the layout, by ``Layout``'s
-field names."""
+field names. ``clock_sequence_bits`` is recorded only when it is not 0, so that a
+server from before it reads what a layout without one records."""
+
+
+def layout_fields(layout: Layout) -> dict[str, int]:
+    """Every field of the layout, by name (what ``get_layout`` and the HTTP API show)."""
+    return {name: int(getattr(layout, name)) for name in LAYOUT_FIELDS}
 
 
 def layout_to_json(layout: Layout) -> dict[str, int]:
     """The layout as the state file and ZooKeeper marks record it."""
-    return {name: int(getattr(layout, name)) for name in LAYOUT_FIELDS}
+    recorded = layout_fields(layout)
+    if not layout.clock_sequence_bits:
+        del recorded["clock_sequence_bits"]
+    return recorded
+
+
+def valid_layout_json(recorded: object) -> bool:
+    """Whether ``recorded`` has the shape :func:`layout_to_json` gives."""
+    return (
+        isinstance(recorded, dict)
+        and set(LAYOUT_FIELDS) - {"clock_sequence_bits"} <= set(recorded) <= set(LAYOUT_FIELDS)
+        and all(type(value) is int for value in recorded.values())
+    )
 
 
 def _describe(layout: dict[str, Any]) -> str:
-    return ", ".join(f"{name} {layout.get(name)!r}" for name in LAYOUT_FIELDS)
+    return ", ".join(f"{name} {layout.get(name, 0)!r}" for name in LAYOUT_FIELDS)
 
 
 def default_state_dir(environ: Mapping[str, str]) -> Path:
@@ -70,7 +103,7 @@ class StateFile(MarkStore):
     name = "disk"
 
     def __init__(self, path: Path, lock_fd: int, identity: dict[str, int], layout: Layout) -> None:
-        super().__init__(-1)
+        super().__init__(-1, [-1] * (layout.max_clock_sequence + 1))
         self.path = path
         self._lock_fd = lock_fd
         self._identity = identity
@@ -109,7 +142,8 @@ class StateFile(MarkStore):
         return cls(directory / f"{name}.json", lock_fd, identity, layout or Layout())
 
     def load(self, *, discard_corrupt: bool = False) -> int | None:
-        """The stored mark in ms since the Unix epoch, or None on a first start.
+        """The newest stored mark in ms since the Unix epoch, or None on a first start;
+        :attr:`marks` and :attr:`clock_sequence` then hold what the file says.
 
         A file that cannot be read or understood raises ``StartupRefused``:
         silently starting over could repeat ids. ``discard_corrupt`` treats
@@ -128,24 +162,37 @@ class StateFile(MarkStore):
             mark = data["high_water_mark_ms"]
             owner = {k: data.get(k) for k in self._identity}
             version = data.get("format")
-            recorded = data["layout"] if version == STATE_FORMAT else None
+            recorded = data["layout"] if version in (STATE_FORMAT, CLOCK_SEQUENCE_FORMAT) else None
+            by_value = data["high_water_marks_ms"] if version == CLOCK_SEQUENCE_FORMAT else [mark]
+            value = data["clock_sequence"] if version == CLOCK_SEQUENCE_FORMAT else 0
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             return self._corrupt(f"not a state file ({type(e).__name__}: {e})", discard_corrupt)
-        if version not in (STATE_FORMAT, _UNVERSIONED_LAYOUT):
+        if version not in (CLOCK_SEQUENCE_FORMAT, STATE_FORMAT, _UNVERSIONED_LAYOUT):
             return self._corrupt(f"unknown format {version!r}", discard_corrupt)
         if owner != self._identity:
             return self._corrupt(f"it belongs to another worker: {owner}", discard_corrupt)
         if not isinstance(mark, int) or isinstance(mark, bool) or mark < 0:
             return self._corrupt(f"bad high_water_mark_ms {mark!r}", discard_corrupt)
+        if not (
+            isinstance(by_value, list)
+            and by_value
+            and all(type(m) is int and m >= -1 for m in by_value)
+            and max(by_value) == mark
+            and type(value) is int
+            and 0 <= value < len(by_value)
+        ):
+            return self._corrupt(
+                f"bad clock-sequence marks {by_value!r} (in use: {value!r})", discard_corrupt
+            )
         if recorded is None:
             log.warning(
                 "state file %s records no id layout (format 1, from 0.1.0): taking its mark "
                 "as made under the current layout (%s); the next write records it",
                 self.path, _describe(self._layout),
             )  # fmt: skip
-        elif not self._valid_layout(recorded):
+        elif not valid_layout_json(recorded):
             return self._corrupt(f"bad layout {recorded!r}", discard_corrupt)
-        elif recorded != self._layout:
+        elif {"clock_sequence_bits": 0, **recorded} != {"clock_sequence_bits": 0, **self._layout}:
             raise StartupRefused(
                 f"state file {self.path} was written under another id layout "
                 f"({_describe(recorded)}) than this server's ({_describe(self._layout)}). "
@@ -155,16 +202,10 @@ class StateFile(MarkStore):
                 "new --worker-id or --datacenter-id. Only if the clock is surely past every "
                 "id the old layout issued, move the state file away"
             )
-        self._written = mark
+        if len(by_value) != len(self._marks):  # the same layout: cannot differ, but check
+            return self._corrupt(f"{len(by_value)} clock-sequence marks", discard_corrupt)
+        self._marks, self._value = by_value, value
         return mark
-
-    @staticmethod
-    def _valid_layout(recorded: object) -> bool:
-        return (
-            isinstance(recorded, dict)
-            and set(recorded) == set(LAYOUT_FIELDS)
-            and all(type(value) is int for value in recorded.values())
-        )
 
     def _corrupt(self, why: str, discard: bool) -> int | None:
         """None (start as if first) if ``discard``; else refuse with what to do."""
@@ -181,13 +222,16 @@ class StateFile(MarkStore):
     def where(self) -> str:
         return str(self.path)
 
-    def _store(self, mark_ms: int) -> None:
-        record = {
-            "format": STATE_FORMAT,
+    def _store(self, marks: tuple[int, ...], clock_sequence: int) -> None:
+        record: dict[str, object] = {
+            "format": STATE_FORMAT if len(marks) == 1 else CLOCK_SEQUENCE_FORMAT,
             **self._identity,
             "layout": self._layout,
-            "high_water_mark_ms": mark_ms,
+            "high_water_mark_ms": max(marks),
         }
+        if len(marks) > 1:
+            record["clock_sequence"] = clock_sequence
+            record["high_water_marks_ms"] = list(marks)
         tmp = self.path.with_name(self.path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:

@@ -24,7 +24,12 @@ from prometheus_client.registry import Collector
 from .._config.settings import WorkerSettings
 from .._errors import UnavailableError
 from .._ids.clocks import boot_clock, pause
-from .._ids.generator import GeneratorCounters, GeneratorSettings, IdGenerator
+from .._ids.generator import (
+    GeneratorCounters,
+    GeneratorSettings,
+    IdGenerator,
+    pick_clock_sequence,
+)
 from .hostlock import HostLock
 from .reservation import RESERVE_AHEAD_MS, MarkStore, Reservation, wait_for_clock
 from .statefile import StateFile
@@ -38,14 +43,12 @@ log = logging.getLogger(__name__)
 class Worker:
     """Ids for one (datacenter, worker id): open with :meth:`open`, end with :meth:`close`.
 
-    ``floor_ms`` is the lowest final mark it may write (the resume point);
     ``state`` and ``host_lock`` are held until :meth:`close`.
     """
 
     generator: IdGenerator
     reservation: Reservation
     state: StateFile
-    floor_ms: int
     host_lock: HostLock
 
     @property
@@ -65,6 +68,9 @@ class Worker:
         """Take the worker's host lock, lock its state, honour its marks (waiting for
         the clock if it is behind them, or raising ``StartupRefused``), reserve ahead
         and start renewing. With no mark anywhere, wait ``first_start_wait`` first.
+        With a clock sequence, a clock behind the marks of the value last in use
+        starts with another value whose marks it is past, at once; only if there is
+        none does it wait (for the value with the lowest marks) or refuse.
 
         ``remote`` is a second mark store and its margin (ZooKeeper in cluster
         mode): the mark of a worker id recycled from another host.
@@ -75,15 +81,31 @@ class Worker:
             undo.callback(host_lock.release)
             state = StateFile.open(Path(settings.state_dir), dc, worker_id, settings.layout)
             undo.callback(state.close)
-            marks = {state.where: state.load(discard_corrupt=settings.discard_corrupt_state)}
+            loaded = state.load(discard_corrupt=settings.discard_corrupt_state)
+            found: list[MarkStore] = [state] if loaded is not None else []
             stores: list[tuple[MarkStore, int]] = [(state, RESERVE_AHEAD_MS)]
             if remote is not None:
                 store, _ = remote
-                marks[store.where] = store.mark_ms if store.mark_ms >= 0 else None
+                if max(store.marks) >= 0:
+                    found.append(store)
                 stores.append(remote)
-            known = {where: mark for where, mark in marks.items() if mark is not None}
-            resume_after = max(known.values(), default=-1)
-            reservation = Reservation(stores, clock)
+            # Per clock-sequence value, the newest mark any store holds; the value last
+            # in use as the state file says (ZooKeeper's for a worker id new here).
+            used = [max(marks) for marks in zip(*(store.marks for store in found), strict=True)]
+            used = used or [-1] * (settings.layout.max_clock_sequence + 1)
+            last = found[0].clock_sequence if found else 0
+            value = pick_clock_sequence(used, last, clock()) if len(used) > 1 else None
+            if value is None:  # no value the clock is past: wait for the lowest marks
+                value = last if len(used) == 1 else used.index(min(used))
+            elif value != last:
+                log.warning(
+                    "the clock is %d ms behind the high-water mark of clock sequence %d: "
+                    "starting with clock sequence %d, whose ids it is past (ids made from "
+                    "now on are lower than some made before)",
+                    used[last] - clock(), last, value,
+                )  # fmt: skip
+            resume_after = used[value]
+            reservation = Reservation(stores, clock, clock_sequence=value)
             # Until the first reservation is stored the ceiling is the resume point:
             # no id can be stamped with a time that is not reserved.
             generator = IdGenerator(
@@ -93,20 +115,24 @@ class Worker:
                 resume_after_ms=resume_after,
                 ceiling_ms=resume_after,
                 reserve=reservation.reserve,
+                clock_sequence=value,
+                used_until_ms=used,
+                switch=reservation.switch,
             )
-            if not known:
-                _first_start(reservation, worker_id, list(marks), settings.first_start_wait, sleep)
+            if value != last:
+                generator.clock_sequence_switches = 1  # not started yet: nothing reads it
+            if not found:
+                looked_in = [store.where for store, _ in stores]
+                _first_start(reservation, worker_id, looked_in, settings.first_start_wait, sleep)
             else:
-                source = max(known, key=lambda where: known[where])
+                source = max(found, key=lambda store: store.marks[value]).where
                 reservation.startup_wait_s = wait_for_clock(
                     resume_after, clock, sleep, settings.max_startup_wait, source
                 )
-            generator.raise_ceiling(reservation.reserve(clock()))
+            generator.raise_ceiling(reservation.reserve(clock()), value)
             reservation.start(generator)
             undo.pop_all()
-        # The final mark is at least the resume point; after a first start with no id
-        # issued that is 0, not -1: no store takes a negative mark back.
-        return cls(generator, reservation, state, max(resume_after, 0), host_lock)
+        return cls(generator, reservation, state, host_lock)
 
     def unavailable_reason(self) -> str | None:
         """Why a call would fail now (the marks cannot be written, the clock is
@@ -119,7 +145,7 @@ class Worker:
     def close(self) -> None:
         """Stop for good: seal the generator, store the exact last mark, unlock."""
         try:
-            self.reservation.finish(self.generator, self.floor_ms)
+            self.reservation.finish(self.generator)
         finally:
             self.state.close()
             self.host_lock.release()

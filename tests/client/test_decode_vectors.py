@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TESTDATA = ROOT / "clients" / "testdata"
 VECTORS_FILE = TESTDATA / "decode-vectors.json"
 VECTORS: dict[str, Any] = json.loads(VECTORS_FILE.read_text(encoding="utf-8"))
-PARTS = ("id", "time", "timestamp_ms", "datacenter_id", "worker_id", "sequence")
+PARTS = ("id", "time", "timestamp_ms", "datacenter_id", "worker_id", "sequence", "clock_sequence")
 
 
 def layout(name: str) -> Layout:
@@ -66,6 +66,7 @@ def test_the_worked_example_of_seed_003_is_a_vector() -> None:
         "datacenter_id": 17,
         "worker_id": 25,
         "sequence": 0,
+        "clock_sequence": 0,
     }.items() <= VECTORS["valid"][0].items()
     assert VECTORS["layouts"]["default"] == {
         "epoch_ms": 1288834974657,
@@ -73,6 +74,7 @@ def test_the_worked_example_of_seed_003_is_a_vector() -> None:
         "datacenter_id_bits": 5,
         "worker_id_bits": 5,
         "sequence_bits": 12,
+        "clock_sequence_bits": 0,
     }
     assert len(VECTORS["layouts"]) >= 3 and {v["error"] for v in VECTORS["invalid"]} == {
         "format",
@@ -86,7 +88,12 @@ def test_the_python_decoder_gives_every_valid_vector(vector: dict[str, Any]) -> 
     decoded = decompose(int(vector["id"]), this)
     assert decoded.to_json() == {part: vector[part] for part in PARTS}
     assert compose(
-        decoded.timestamp_ms, decoded.datacenter_id, decoded.worker_id, decoded.sequence, this
+        decoded.timestamp_ms,
+        decoded.datacenter_id,
+        decoded.worker_id,
+        decoded.sequence,
+        this,
+        decoded.clock_sequence,
     ) == int(vector["id"])
 
 

@@ -28,6 +28,7 @@ def test_worked_example_from_seed_003() -> None:
         "datacenter_id": 17,
         "worker_id": 25,
         "sequence": 0,
+        "clock_sequence": 0,
     }
     assert Layout(epoch_ms=TWITTER_EPOCH_MS) == DEFAULT_LAYOUT
     assert DEFAULT_LAYOUT.node_bits(17, 25) == (17 << 17) | (25 << 12)

@@ -83,7 +83,8 @@ def test_decode_and_layout(http: Http) -> None:
     status, _, body = http.get("/v1/layout")
     assert status == 200 and body == {
         "epoch_ms": 1288834974657, "timestamp_bits": 41, "datacenter_id_bits": 5,
-        "worker_id_bits": 5, "sequence_bits": 12, "datacenter_id": 2, "worker_id": 3,
+        "worker_id_bits": 5, "sequence_bits": 12, "clock_sequence_bits": 0,
+        "datacenter_id": 2, "worker_id": 3,
     }  # fmt: skip
     status, _, body = http.get("/v1/openapi.json")
     assert status == 200 and body["openapi"].startswith("3.0")

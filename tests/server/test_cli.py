@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from snowflake_server import decompose
+from snowflake_server import Layout, decompose
 from snowflake_server._cli import main
 from tests.support.inprocess import InProcessServer
 
@@ -31,6 +31,7 @@ def test_decode_json_keeps_ids_as_strings(capsys: pytest.CaptureFixture[str]) ->
         "datacenter_id": 17,
         "worker_id": 25,
         "sequence": 0,
+        "clock_sequence": 0,
     }
     assert decoded[1]["time"] == "2010-11-04T01:42:54.657Z"
 
@@ -38,6 +39,21 @@ def test_decode_json_keeps_ids_as_strings(capsys: pytest.CaptureFixture[str]) ->
 def test_decode_with_another_layout(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["decode", "--json", "--epoch", "0", "--sequence-bits", "10", "1025"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["sequence"] == 1
+
+
+def test_decode_shows_the_clock_sequence_of_a_layout_with_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    layout = Layout(datacenter_id_bits=3, clock_sequence_bits=2)
+    id_ = layout.compose(1505914988849, 5, 25, 7, clock_sequence=3)
+    flags = ["--datacenter-id-bits=3", "--clock-sequence-bits=2"]
+    assert main(["decode", *flags, str(id_)]) == 0
+    out = capsys.readouterr().out
+    assert "clock seq   3" in out and "datacenter  5" in out and "sequence    7" in out
+    assert main(["decode", str(id_)]) == 0  # the default layout reads other fields
+    assert "clock seq" not in capsys.readouterr().out
+    assert main(["decode", "--clock-sequence-bits=2", str(id_)]) == 2
+    assert "layout needs 65 bits" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bad", ["abc", "-1", str(2**63)])

@@ -11,6 +11,7 @@ from kazoo.handlers.threading import KazooTimeoutError
 from snowflake_server import (
     GeneratorSettings,
     IdGenerator,
+    Layout,
     ReservationError,
     StartupRefused,
     UnavailableError,
@@ -94,7 +95,7 @@ def test_finish_stores_the_exact_last_timestamp(tmp_path: Path) -> None:
     generator.next_id()
     clock.now += 3
     last = generator.next_id()
-    reservation.finish(generator, floor_ms=-1)
+    reservation.finish(generator)
     with pytest.raises(ReservationError, match="shut down"):
         generator.next_id()
     text = (tmp_path / "worker-0-0.json").read_text()
@@ -132,8 +133,8 @@ class SlowStore(MarkStore):
 
     name = "slow"
 
-    def __init__(self) -> None:
-        super().__init__(-1)
+    def __init__(self, values: int = 1) -> None:
+        super().__init__(-1, [-1] * values)
         self.hold = False
         self.fail: Exception | None = None
         self.entered = threading.Event()
@@ -143,7 +144,7 @@ class SlowStore(MarkStore):
     def where(self) -> str:
         return "slow:/marks/0/0"
 
-    def _store(self, mark_ms: int) -> None:
+    def _store(self, marks: tuple[int, ...], clock_sequence: int) -> None:
         if self.hold:
             self.entered.set()
             self.go_on.wait(HOLD_S)
@@ -151,13 +152,15 @@ class SlowStore(MarkStore):
             raise self.fail
 
 
-def started(clock: FakeClock, store: SlowStore, **kwargs: float) -> tuple[IdGenerator, Reservation]:
+def started(
+    clock: FakeClock, store: SlowStore, *, wait_s: float = 0.1, layout: Layout | None = None
+) -> tuple[IdGenerator, Reservation]:
     """A generator and its reservation with the renewal thread running, as a worker
     has them; the thread renews only when asked (every_s: never by itself)."""
-    reservation = Reservation([(store, 1000)], clock, every_s=3600, **kwargs)
+    reservation = Reservation([(store, 1000)], clock, every_s=3600, wait_s=wait_s)
     generator = IdGenerator(
-        GeneratorSettings(), clock=clock, sleep=clock.sleep, ceiling_ms=-1,
-        reserve=reservation.reserve,
+        GeneratorSettings(layout=layout or Layout()), clock=clock, sleep=clock.sleep,
+        ceiling_ms=-1, reserve=reservation.reserve, switch=reservation.switch,
     )  # fmt: skip
     generator.raise_ceiling(reservation.reserve(clock()))
     reservation.start(generator)
@@ -188,7 +191,7 @@ def test_a_slow_write_neither_blocks_the_generator_nor_hangs_the_call() -> None:
         assert "it has been writing slow:/marks/0/0 for " in str(error)
     finally:
         store.go_on.set()
-        reservation.finish(generator, floor_ms=0)
+        reservation.finish(generator)
     assert [c.reservation_stalls for c in counted] == [1]  # type: ignore[attr-defined]
 
 
@@ -203,7 +206,7 @@ def test_a_call_past_the_mark_has_it_renewed_at_once() -> None:
         assert store.mark_ms == T0 + 2500 and generator.ceiling_ms == T0 + 2500
         assert generator.reservation_stalls == 1
     finally:
-        reservation.finish(generator, floor_ms=0)
+        reservation.finish(generator)
     assert store.mark_ms == T0 + 1500, "the exact last mark"
 
 
@@ -228,7 +231,7 @@ def test_a_failed_write_is_reported_at_once_with_its_cause(
         store.fail = None
         assert decompose(generator.next_id()).timestamp_ms == T0 + 1001, "and recovers"
     finally:
-        reservation.finish(generator, floor_ms=0)  # joins the thread: its log is complete
+        reservation.finish(generator)  # joins the thread: its log is complete
     logged = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert logged == [
         ("ERROR", "cannot write the high-water mark to slow:/marks/0/0: KazooTimeoutError"),
@@ -257,7 +260,7 @@ def test_finish_ends_the_wait_of_a_call_at_once() -> None:
     clock.now += 1001
     caller, outcome = run_in_thread(generator.next_id)
     assert store.entered.wait(PROMPTLY_S)
-    finishing, _ = run_in_thread(lambda: reservation.finish(generator, floor_ms=0))
+    finishing, _ = run_in_thread(lambda: reservation.finish(generator))
     caller.join(PROMPTLY_S)
     assert not caller.is_alive(), "the call waited for the write after all"
     assert isinstance(outcome[0], ReservationError) and "shut down" in str(outcome[0])
@@ -298,5 +301,34 @@ def test_failing_says_why_while_the_marks_are_not_kept_ahead() -> None:
         assert reservation.failing is None, "written again"
     finally:
         store.go_on.set()
-        reservation.finish(generator, floor_ms=0)
+        reservation.finish(generator)
     assert reservation.failing is None, "finished: sealed on purpose"
+
+
+def test_a_renewal_of_the_old_value_done_after_a_switch_is_not_the_new_ceiling() -> None:
+    clock = FakeClock(T0)
+    store = SlowStore(values=4)
+    layout = Layout(datacenter_id_bits=3, clock_sequence_bits=2)
+    generator, reservation = started(clock, store, layout=layout)
+    try:
+        generator.next_id()
+        store.hold = True
+        clock.now += 10  # a renewal then has a later mark to write
+        reservation._wake.set()
+        assert store.entered.wait(PROMPTLY_S)
+        clock.now -= 60_010  # a rollback: the next call moves to value 1 and writes it
+        caller, outcome = run_in_thread(generator.next_id)
+        caller.join(0.05)
+        assert caller.is_alive(), "the switch waits for the store: ids wait for it"
+        store.go_on.set()  # the renewal of value 0 lands first, then the switch
+        caller.join(PROMPTLY_S)
+        assert not caller.is_alive()
+        assert layout.decompose(outcome[0]).clock_sequence == 1  # type: ignore[arg-type]
+        assert reservation.clock_sequence == 1
+        assert generator.ceiling_ms == T0 - 59_000, "the switch's mark, not value 0's"
+        assert store.marks[0] >= T0 + 1000 and store.marks[1] == T0 - 59_000
+    finally:
+        store.hold = False
+        store.go_on.set()
+        reservation.finish(generator)
+    assert (store.marks[1], store.clock_sequence) == (T0 - 60_000, 1)

@@ -61,7 +61,7 @@ def test_one_process_per_worker(tmp_path: Path) -> None:
         ("{not json", "not a state file"),
         ("[]", "not a state file"),
         ('{"format": 1, "datacenter_id": 0, "worker_id": 0}', "not a state file"),
-        ('{"format": 3, "datacenter_id": 0, "worker_id": 0, "high_water_mark_ms": 5}', "format"),
+        ('{"format": 4, "datacenter_id": 0, "worker_id": 0, "high_water_mark_ms": 5}', "format"),
         ('{"format": 1, "datacenter_id": 0, "worker_id": 1, "high_water_mark_ms": 5}', "another"),
         ('{"format": 1, "datacenter_id": 0, "worker_id": 0, "high_water_mark_ms": "5"}', "bad"),
         ('{"format": 1, "datacenter_id": 0, "worker_id": 0, "high_water_mark_ms": -1}', "bad"),
@@ -210,3 +210,69 @@ def test_a_crash_at_any_instant_leaves_a_whole_file(tmp_path: Path) -> None:
         stored = state.load()  # must parse: never torn
         state.close()
         assert stored is not None and stored >= confirmed
+
+
+CLOCK_LAYOUT = Layout(datacenter_id_bits=3, clock_sequence_bits=2)
+
+
+def test_a_clock_sequence_keeps_a_mark_per_value_in_format_3(tmp_path: Path) -> None:
+    state = StateFile.open(tmp_path, 1, 2, CLOCK_LAYOUT)
+    assert state.load() is None and state.marks == (-1, -1, -1, -1)
+    assert state.advance(1000) == 1000
+    assert state.advance(400, clock_sequence=2) == 400, "another value's own mark"
+    assert state.advance(300, clock_sequence=2) == 400, "never back while serving"
+    assert (state.clock_sequence, state.mark_ms) == (2, 400)
+    state.close()
+    again = StateFile.open(tmp_path, 1, 2, CLOCK_LAYOUT)
+    assert again.load() == 1000, "the newest of the marks"
+    assert (again.marks, again.clock_sequence) == ((1000, -1, 400, -1), 2)
+    again.finish(350, clock_sequence=2)
+    again.close()
+    data = json.loads((tmp_path / "worker-1-2.json").read_text())
+    assert data == {
+        "format": 3,
+        "datacenter_id": 1,
+        "worker_id": 2,
+        "layout": {**TWITTER, "datacenter_id_bits": 3, "clock_sequence_bits": 2},
+        "high_water_mark_ms": 1000,
+        "clock_sequence": 2,
+        "high_water_marks_ms": [1000, -1, 350, -1],
+    }
+
+
+@pytest.mark.parametrize(
+    ("marks", "in_use"),
+    [
+        ("[1000, -1, 400]", 0),  # one value short for the layout
+        ("[999, -1, 400, -1]", 0),  # the newest is not high_water_mark_ms
+        ('[1000, "x", 400, -1]', 0),
+        ("[1000, -2, 400, -1]", 0),
+        ("[]", 0),
+        ("[1000, -1, 400, -1]", 4),
+        ("[1000, -1, 400, -1]", '"1"'),
+    ],
+)
+def test_bad_clock_sequence_marks_are_a_refusal(tmp_path: Path, marks: str, in_use: object) -> None:
+    layout = json.dumps({**TWITTER, "datacenter_id_bits": 3, "clock_sequence_bits": 2})
+    (tmp_path / "worker-0-0.json").write_text(
+        f'{{"format": 3, "datacenter_id": 0, "worker_id": 0, "layout": {layout}, '
+        f'"high_water_mark_ms": 1000, "clock_sequence": {in_use}, '
+        f'"high_water_marks_ms": {marks}}}'
+    )
+    state = StateFile.open(tmp_path, 0, 0, CLOCK_LAYOUT)
+    with pytest.raises(StartupRefused, match=r"clock-sequence marks|is unusable"):
+        state.load()
+    assert state.load(discard_corrupt=True) is None
+    state.close()
+
+
+def test_a_layout_without_a_clock_sequence_still_writes_format_2(tmp_path: Path) -> None:
+    # An older server can read it: the layout has no clock_sequence_bits key at all.
+    state = StateFile.open(tmp_path, 0, 0)
+    state.advance(5)
+    state.close()
+    data = json.loads((tmp_path / "worker-0-0.json").read_text())
+    assert data["format"] == 2 and "clock_sequence_bits" not in data["layout"]
+    assert "high_water_marks_ms" not in data
+    with pytest.raises(StartupRefused, match="written under another id layout"):
+        StateFile.open(tmp_path, 0, 0, CLOCK_LAYOUT).load()

@@ -28,16 +28,18 @@ class MemoryMarks(MarkStore):
 
     name = "memory"
 
-    def __init__(self, mark_ms: int) -> None:
-        super().__init__(mark_ms)
+    def __init__(self, mark_ms: int, marks: tuple[int, ...] = (), clock_sequence: int = 0) -> None:
+        super().__init__(mark_ms, marks, clock_sequence)
         self.stored: list[int] = []
+        self.records: list[tuple[tuple[int, ...], int]] = []
 
     @property
     def where(self) -> str:
         return "memory"
 
-    def _store(self, mark_ms: int) -> None:
-        self.stored.append(mark_ms)
+    def _store(self, marks: tuple[int, ...], clock_sequence: int) -> None:
+        self.stored.append(marks[clock_sequence])
+        self.records.append((marks, clock_sequence))
 
 
 def settings(tmp_path: Path, **overrides: object) -> ServerSettings:
@@ -390,3 +392,122 @@ def test_counters_add_up_every_worker_the_slot_held(tmp_path: Path) -> None:
     assert slot.counters().ids_generated == 7
     assert slot.retire() is not None
     assert slot.counters().ids_generated == 7
+
+
+# -- a clock sequence -----------------------------------------------------------
+
+
+def state_record(tmp_path: Path, worker_id: int = 3) -> dict[str, object]:
+    path = tmp_path / "state" / f"worker-0-{worker_id}.json"
+    record: dict[str, object] = json.loads(path.read_text())
+    return record
+
+
+def test_a_switch_is_on_disk_before_its_first_id_and_the_close_is_exact(tmp_path: Path) -> None:
+    clock = FakeClock(T0)
+    worker = open_worker(tmp_path, clock, datacenter_id_bits=3, clock_sequence_bits=2)
+    layout = worker.generator.settings.layout
+    try:
+        worker.generator.next_id()
+        clock.now -= 60_000
+        seen: list[dict[str, object]] = []
+        original = worker.state._store
+
+        def watched(marks: tuple[int, ...], clock_sequence: int) -> None:
+            original(marks, clock_sequence)
+            seen.append(state_record(tmp_path))
+
+        worker.state._store = watched  # type: ignore[method-assign]
+        id_ = worker.generator.next_id()
+        assert layout.decompose(id_).clock_sequence == 1
+        assert seen, "the switch wrote the state file"
+        assert seen[0]["clock_sequence"] == 1
+        assert seen[0]["high_water_marks_ms"] == [T0 + 1000, T0 - 59_000, -1, -1]
+    finally:
+        worker.close()
+    record = state_record(tmp_path)
+    assert record["format"] == 3 and record["clock_sequence"] == 1
+    assert record["high_water_marks_ms"] == [T0 + 1000, T0 - 60_000, -1, -1]
+    assert record["high_water_mark_ms"] == T0 + 1000
+    assert record["layout"] == {
+        "epoch_ms": layout.epoch_ms, "timestamp_bits": 41, "datacenter_id_bits": 3,
+        "worker_id_bits": 5, "sequence_bits": 12, "clock_sequence_bits": 2,
+    }  # fmt: skip
+
+
+def test_a_restart_with_the_clock_behind_serves_at_once_with_another_value(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock(T0)
+    worker = open_worker(tmp_path, clock, datacenter_id_bits=3, clock_sequence_bits=2)
+    before = worker.generator.next_id()
+    worker.close()
+    clock.now -= 60_000
+    again = open_worker(
+        tmp_path, clock, datacenter_id_bits=3, clock_sequence_bits=2, max_startup_wait=0.0
+    )
+    try:
+        assert clock.sleeps == [] and again.reservation.startup_wait_s == 0.0
+        assert "starting with clock sequence 1" in caplog.text
+        id_ = again.generator.next_id()
+        parts = again.generator.settings.layout.decompose(id_)
+        assert (parts.timestamp_ms, parts.clock_sequence) == (T0 - 60_000, 1)
+        assert id_ != before and again.generator.counters().clock_sequence_switches == 1
+        assert state_record(tmp_path)["clock_sequence"] == 1, "reserved before serving"
+    finally:
+        again.close()
+    clock.now += 120_000  # past every mark: the value last in use goes on
+    third = open_worker(tmp_path, clock, datacenter_id_bits=3, clock_sequence_bits=2)
+    try:
+        assert third.generator.clock_sequence == 1
+        assert third.generator.counters().clock_sequence_switches == 0
+    finally:
+        third.close()
+
+
+def test_a_restart_with_every_value_ahead_waits_for_the_lowest(tmp_path: Path) -> None:
+    clock = FakeClock(T0)
+    worker = open_worker(tmp_path, clock, datacenter_id_bits=3, clock_sequence_bits=2)
+    worker.generator.next_id()
+    for _ in range(3):
+        clock.now -= 1000
+        worker.generator.next_id()
+    worker.close()  # marks: T0, T0 - 1000 ... T0 - 3000 (value 3 exact)
+    clock.now = T0 - 3200
+    with pytest.raises(StartupRefused, match="behind the high-water mark"):
+        open_worker(
+            tmp_path, clock, datacenter_id_bits=3, clock_sequence_bits=2, max_startup_wait=0.1
+        )
+    again = open_worker(
+        tmp_path, clock, datacenter_id_bits=3, clock_sequence_bits=2, max_startup_wait=1.0
+    )
+    try:
+        assert again.generator.clock_sequence == 3
+        assert again.reservation.startup_wait_s > 0 and clock.now > T0 - 3000
+    finally:
+        again.close()
+
+
+def test_a_failed_switch_stays_on_the_old_value_and_renews_it(tmp_path: Path) -> None:
+    clock = FakeClock(T0)
+    store = MemoryMarks(-1, (-1, -1, -1, -1))
+    worker = open_worker(
+        tmp_path, clock, remote=(store, 1000), datacenter_id_bits=3, clock_sequence_bits=2
+    )
+    try:
+        worker.generator.next_id()
+        clock.now -= 60_000
+        failing = ReservationError("the remote store is down")
+
+        def refuse(marks: tuple[int, ...], clock_sequence: int) -> None:
+            raise failing
+
+        store._store = refuse  # type: ignore[method-assign]
+        with pytest.raises(ReservationError, match="the remote store is down"):
+            worker.generator.next_id()
+        assert worker.generator.clock_sequence == 0
+        assert worker.reservation.clock_sequence == 0
+    finally:
+        store._store = MemoryMarks._store.__get__(store)  # type: ignore[method-assign]
+        worker.close()
+    assert store.records[-1] == ((T0, -1, -1, -1), 0), "the exact mark of the value in use"

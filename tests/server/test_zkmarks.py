@@ -219,6 +219,47 @@ def test_a_mark_of_another_layout_refuses(zk: KazooClient, path: str) -> None:
     assert isinstance(info.value, StartupRefused)
 
 
+CLOCKED = Layout(datacenter_id_bits=3, clock_sequence_bits=2)
+
+
+def test_a_clock_sequence_keeps_a_mark_per_value(zk: KazooClient, path: str) -> None:
+    store = ZkMarkStore.load(lambda: zk, path, Lost(), CLOCKED)
+    assert (store.marks, store.clock_sequence) == ((-1, -1, -1, -1), 0)
+    store.advance(T0 + 1)
+    store.advance(T0 - 60_000, clock_sequence=1)
+    assert json.loads(zk.get(path)[0]) == {
+        "mark_ms": T0 + 1000,
+        "marks_ms": [T0 + 1000, T0 - 60_000, -1, -1],
+        "clock_sequence": 1,
+        "layout": {"epoch_ms": CLOCKED.epoch_ms, "timestamp_bits": 41, "datacenter_id_bits": 3,
+                   "worker_id_bits": 5, "sequence_bits": 12, "clock_sequence_bits": 2},
+    }  # fmt: skip
+    again = ZkMarkStore.load(lambda: zk, path, Lost(), CLOCKED)
+    assert (again.marks, again.clock_sequence, again.mark_ms) == (
+        (T0 + 1000, T0 - 60_000, -1, -1), 1, T0 - 60_000
+    )  # fmt: skip
+    with pytest.raises(MarkOfAnotherLayout, match=r"bits 41/2/3/5/12 \(timestamp/clock sequence/"):
+        load(zk, path, Lost())
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b'"marks_ms": [5, -1, -1, -1], "clock_sequence": 4',
+     b'"marks_ms": [4, -1, -1, -1], "clock_sequence": 0',
+     b'"marks_ms": [5, -1], "clock_sequence": 0'],
+    ids=["value-out-of-range", "newest-not-mark", "too-few-values"],
+)  # fmt: skip
+def test_bad_clock_sequence_marks_refuse(
+    zk: KazooClient, other: KazooClient, path: str, data: bytes
+) -> None:
+    layout = json.dumps({"epoch_ms": CLOCKED.epoch_ms, "timestamp_bits": 41,
+                         "datacenter_id_bits": 3, "worker_id_bits": 5, "sequence_bits": 12,
+                         "clock_sequence_bits": 2}).encode()  # fmt: skip
+    other.create(path, b'{"mark_ms": 5, "layout": ' + layout + b", " + data + b"}", makepath=True)
+    with pytest.raises(StartupRefused, match="repair it by hand"):
+        ZkMarkStore.load(lambda: zk, path, Lost(), CLOCKED)
+
+
 @pytest.mark.parametrize(
     "data",
     [b'{"mark_ms": 1}', b'{"mark_ms": "1", "layout": {}}', b"[1]",

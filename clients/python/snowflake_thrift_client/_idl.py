@@ -93,6 +93,7 @@ def layout_to_thrift(layout: Layout, datacenter_id: int, worker_id: int) -> Any:
         sequence_bits=layout.sequence_bits,
         datacenter_id=datacenter_id,
         worker_id=worker_id,
+        clock_sequence_bits=layout.clock_sequence_bits,
     )
 
 
@@ -104,5 +105,7 @@ def layout_from_thrift(raw: Any) -> tuple[Layout, int, int]:
         datacenter_id_bits=raw.datacenter_id_bits,
         worker_id_bits=raw.worker_id_bits,
         sequence_bits=raw.sequence_bits,
+        # A server from before clock sequences leaves the field out: it has none.
+        clock_sequence_bits=raw.clock_sequence_bits or 0,
     )
     return layout, raw.datacenter_id, raw.worker_id

@@ -6,6 +6,10 @@ Layout of an id with the default :class:`Layout` (Twitter's)::
     +--+-------------------------------------+---------+---------+-------------+
     |0 |  41 bits: ms since epoch            | 5: dc   | 5: wkr  | 12: sequence|
     +--+-------------------------------------+---------+---------+-------------+
+
+A layout may carve a clock sequence (``clock_sequence_bits``, 0 by default) out of
+the node id: it sits between the timestamp and the datacenter id, so the timestamp
+stays in the top bits and ``id >> timestamp_shift`` still gives the time.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class DecodedId:
     datacenter_id: int
     worker_id: int
     sequence: int
+    clock_sequence: int = 0
+    """Which clock-sequence value made the id (always 0 in a layout without one)."""
 
     @property
     def datetime(self) -> datetime:
@@ -72,6 +78,7 @@ class DecodedId:
             "datacenter_id": self.datacenter_id,
             "worker_id": self.worker_id,
             "sequence": self.sequence,
+            "clock_sequence": self.clock_sequence,
         }
 
 
@@ -81,6 +88,10 @@ class Layout:
 
     Defaults are Twitter's. All widths together must fit 63 bits, so ids stay
     positive signed 64-bit integers. Raises ``ConfigurationError`` otherwise.
+
+    ``clock_sequence_bits`` (0 by default: none) makes room for a clock sequence,
+    a value a server moves to when its clock steps back, so that its ids stay
+    unique at times it already used (see the server's ``--clock-sequence-bits``).
     """
 
     epoch_ms: int = TWITTER_EPOCH_MS
@@ -88,6 +99,7 @@ class Layout:
     datacenter_id_bits: int = 5
     worker_id_bits: int = 5
     sequence_bits: int = 12
+    clock_sequence_bits: int = 0
 
     def __post_init__(self) -> None:
         check_int("epoch_ms", self.epoch_ms, 0, 2**63 - 1)
@@ -95,15 +107,25 @@ class Layout:
         check_int("datacenter_id_bits", self.datacenter_id_bits, 0, ID_BITS)
         check_int("worker_id_bits", self.worker_id_bits, 0, ID_BITS)
         check_int("sequence_bits", self.sequence_bits, 1, ID_BITS)
-        total = (
-            self.timestamp_bits + self.datacenter_id_bits + self.worker_id_bits + self.sequence_bits
-        )
+        check_int("clock_sequence_bits", self.clock_sequence_bits, 0, ID_BITS)
+        total = self.timestamp_shift + self.timestamp_bits
         if total > ID_BITS:
+            clock = (
+                f" + clock_sequence_bits {self.clock_sequence_bits}"
+                if self.clock_sequence_bits
+                else ""
+            )
+            hint = (
+                "; take the clock sequence's bits from the node id (fewer datacenter_id_bits "
+                "or worker_id_bits)"
+                if self.clock_sequence_bits
+                else ""
+            )
             raise ConfigurationError(
-                f"layout needs {total} bits (timestamp_bits {self.timestamp_bits} + "
+                f"layout needs {total} bits (timestamp_bits {self.timestamp_bits}{clock} + "
                 f"datacenter_id_bits {self.datacenter_id_bits} + worker_id_bits "
                 f"{self.worker_id_bits} + sequence_bits {self.sequence_bits}) but an id has "
-                f"{ID_BITS}"
+                f"{ID_BITS}{hint}"
             )
 
     @property
@@ -119,6 +141,10 @@ class Layout:
         return (1 << self.datacenter_id_bits) - 1
 
     @property
+    def max_clock_sequence(self) -> int:
+        return (1 << self.clock_sequence_bits) - 1
+
+    @property
     def max_timestamp_ms(self) -> int:
         """The last ms since the Unix epoch that this layout can encode."""
         return self.epoch_ms + (1 << self.timestamp_bits) - 1
@@ -132,16 +158,32 @@ class Layout:
         return self.sequence_bits + self.worker_id_bits
 
     @property
-    def timestamp_shift(self) -> int:
+    def clock_sequence_shift(self) -> int:
         return self.sequence_bits + self.worker_id_bits + self.datacenter_id_bits
 
-    def node_bits(self, datacenter_id: int, worker_id: int) -> int:
-        """The datacenter and worker fields of an id, already shifted into place."""
+    @property
+    def timestamp_shift(self) -> int:
+        return self.clock_sequence_shift + self.clock_sequence_bits
+
+    def node_bits(self, datacenter_id: int, worker_id: int, clock_sequence: int = 0) -> int:
+        """The clock-sequence, datacenter and worker fields of an id, shifted into place."""
         check_int("datacenter_id", datacenter_id, 0, self.max_datacenter_id)
         check_int("worker_id", worker_id, 0, self.max_worker_id)
-        return (datacenter_id << self.datacenter_id_shift) | (worker_id << self.worker_id_shift)
+        check_int("clock_sequence", clock_sequence, 0, self.max_clock_sequence)
+        return (
+            (clock_sequence << self.clock_sequence_shift)
+            | (datacenter_id << self.datacenter_id_shift)
+            | (worker_id << self.worker_id_shift)
+        )
 
-    def compose(self, timestamp_ms: int, datacenter_id: int, worker_id: int, sequence: int) -> int:
+    def compose(
+        self,
+        timestamp_ms: int,
+        datacenter_id: int,
+        worker_id: int,
+        sequence: int,
+        clock_sequence: int = 0,
+    ) -> int:
         """The id for these parts; ``timestamp_ms`` is ms since the Unix epoch.
 
         Raises ``ConfigurationError`` for a part that does not fit its field.
@@ -150,7 +192,7 @@ class Layout:
         check_int("sequence", sequence, 0, self.max_sequence)
         return (
             ((timestamp_ms - self.epoch_ms) << self.timestamp_shift)
-            | self.node_bits(datacenter_id, worker_id)
+            | self.node_bits(datacenter_id, worker_id, clock_sequence)
             | sequence
         )
 
@@ -165,6 +207,7 @@ class Layout:
             datacenter_id=(id_ >> self.datacenter_id_shift) & self.max_datacenter_id,
             worker_id=(id_ >> self.worker_id_shift) & self.max_worker_id,
             sequence=id_ & self.max_sequence,
+            clock_sequence=(id_ >> self.clock_sequence_shift) & self.max_clock_sequence,
         )
 
 
@@ -177,9 +220,10 @@ def compose(
     worker_id: int,
     sequence: int,
     layout: Layout = DEFAULT_LAYOUT,
+    clock_sequence: int = 0,
 ) -> int:
     """The id for these parts under ``layout`` (Twitter's by default)."""
-    return layout.compose(timestamp_ms, datacenter_id, worker_id, sequence)
+    return layout.compose(timestamp_ms, datacenter_id, worker_id, sequence, clock_sequence)
 
 
 def decompose(id_: int, layout: Layout = DEFAULT_LAYOUT) -> DecodedId:
