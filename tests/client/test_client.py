@@ -51,6 +51,15 @@ def test_every_call_over_each_transport(servers: MakeServer, transport: Transpor
     assert not client.is_open
 
 
+def test_the_layout_of_a_server_with_a_clock_sequence(servers: MakeServer) -> None:
+    server = servers(datacenter_id_bits=3, clock_sequence_bits=2, datacenter_id=5)
+    with SnowflakeClient(server.host, server.port) as client:
+        layout, datacenter_id, _ = client.layout()
+        assert (layout.clock_sequence_bits, layout.datacenter_id_bits, datacenter_id) == (2, 3, 5)
+        decoded = layout.decompose(client.next_id())
+        assert (decoded.clock_sequence, decoded.datacenter_id) == (0, 5)
+
+
 def test_declared_errors_are_typed_and_keep_the_connection(server: InProcessServer) -> None:
     with SnowflakeClient(server.host, server.port) as client:
         first = client.next_id()

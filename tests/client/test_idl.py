@@ -62,9 +62,21 @@ def test_an_exception_this_client_does_not_know_is_a_request_error() -> None:
 
 
 @pytest.mark.parametrize(
-    "layout", [Layout(), Layout(epoch_ms=0, timestamp_bits=40, sequence_bits=13)]
+    "layout",
+    [
+        Layout(),
+        Layout(epoch_ms=0, timestamp_bits=40, sequence_bits=13),
+        Layout(datacenter_id_bits=3, clock_sequence_bits=2),
+    ],
 )
 def test_the_layout_struct_round_trips(layout: Layout) -> None:
     raw = layout_to_thrift(layout, 3, 17)
     assert (raw.datacenter_id, raw.worker_id) == (3, 17)
+    assert raw.clock_sequence_bits == layout.clock_sequence_bits
     assert layout_from_thrift(raw) == (layout, 3, 17)
+
+
+def test_a_layout_from_a_server_without_clock_sequences_has_none() -> None:
+    raw = layout_to_thrift(Layout(), 0, 0)
+    raw.clock_sequence_bits = None  # what thriftpy2 leaves for a field the server never sent
+    assert layout_from_thrift(raw)[0].clock_sequence_bits == 0

@@ -117,3 +117,32 @@ def test_compose_refuses_parts_that_do_not_fit(
 def test_decompose_refuses_out_of_range_ids(bad: int) -> None:
     with pytest.raises(ConfigurationError, match="id must be in"):
         decompose(bad)
+
+
+def test_a_clock_sequence_sits_between_the_timestamp_and_the_datacenter() -> None:
+    layout = Layout(datacenter_id_bits=3, clock_sequence_bits=2)
+    assert (layout.clock_sequence_shift, layout.timestamp_shift) == (20, 22)
+    assert layout.max_clock_sequence == 3
+    id_ = layout.compose(TWITTER_EPOCH_MS + 1, 5, 25, 7, clock_sequence=2)
+    assert id_ == (1 << 22) | (2 << 20) | (5 << 17) | (25 << 12) | 7
+    decoded = layout.decompose(id_)
+    assert (decoded.clock_sequence, decoded.datacenter_id, decoded.worker_id) == (2, 5, 25)
+    assert decoded.to_json()["clock_sequence"] == 2
+    # The time is where Twitter's layout has it: a decoder unaware of the field reads it.
+    assert DEFAULT_LAYOUT.decompose(id_).timestamp_ms == decoded.timestamp_ms
+    with pytest.raises(ConfigurationError, match=r"clock_sequence must be in 0\.\.3, got 4"):
+        layout.compose(TWITTER_EPOCH_MS, 0, 0, 0, clock_sequence=4)
+    with pytest.raises(ConfigurationError, match=r"clock_sequence must be in 0\.\.0, got 1"):
+        DEFAULT_LAYOUT.compose(TWITTER_EPOCH_MS, 0, 0, 0, clock_sequence=1)
+
+
+def test_a_clock_sequence_must_fit_63_bits_with_the_rest() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        Layout(clock_sequence_bits=2)
+    assert str(info.value) == (
+        "layout needs 65 bits (timestamp_bits 41 + clock_sequence_bits 2 + datacenter_id_bits "
+        "5 + worker_id_bits 5 + sequence_bits 12) but an id has 63; take the clock sequence's "
+        "bits from the node id (fewer datacenter_id_bits or worker_id_bits)"
+    )
+    with pytest.raises(ConfigurationError, match="clock_sequence_bits must be an integer"):
+        Layout(clock_sequence_bits=True)

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from pathlib import Path
 
 import pytest
 from kazoo.client import KazooClient
 
-from snowflake_server import ConfigurationError, Node, ServerSettings, StartupRefused, decompose
+from snowflake_server import (
+    ConfigurationError,
+    Layout,
+    Node,
+    ServerSettings,
+    StartupRefused,
+    decompose,
+)
 from tests.support.endpoints import free_port, unique_scope
 from tests.support.inprocess import InProcessServer
 from tests.support.zookeeper import ZooKeeper
@@ -78,3 +86,44 @@ def test_a_cluster_node_audits_every_id_and_deregisters_with_its_mark(
     assert mark == decompose(ids[-1]).timestamp_ms, "the exact final mark"
     written = [int(json.loads(line)["id"]) for line in audit.read_text().splitlines()]
     assert written == ids, "the cluster closed before the audit trail: every id written"
+
+
+class SteppableClock:
+    """The node's wall clock in ms: real time plus an offset the test steps."""
+
+    def __init__(self) -> None:
+        self.offset_ms = 0
+
+    def __call__(self) -> int:
+        return time.time_ns() // 1_000_000 + self.offset_ms
+
+
+@pytest.mark.zookeeper
+def test_a_cluster_node_writes_the_new_clock_sequence_to_zookeeper_before_using_it(
+    zookeeper: ZooKeeper, zk: KazooClient, zk_path: str, tmp_path: Path
+) -> None:
+    clock = SteppableClock()
+    layout = Layout(datacenter_id_bits=3, clock_sequence_bits=2)
+    settings = ServerSettings(
+        zookeeper=zookeeper.hosts,
+        zk_path=zk_path,
+        worker_id=-1,  # auto
+        skip_sanity_checks=True,
+        datacenter_id_bits=3,
+        clock_sequence_bits=2,
+    )
+    with InProcessServer(settings, tmp_path / "state", clock=clock) as server:
+        client = server.raw_client()
+        before = client.get_ids("cluster", 10)
+        clock.offset_ms = -60_000
+        after = client.get_ids("cluster", 10)
+        assert {layout.decompose(i).clock_sequence for i in after} == {1}
+        record = json.loads(zk.get(f"{zk_path}/marks/0/0")[0])
+        newest = max(layout.decompose(i).timestamp_ms for i in after)
+        assert record["clock_sequence"] == 1 and record["marks_ms"][1] >= newest
+        assert record["marks_ms"][0] >= max(layout.decompose(i).timestamp_ms for i in before)
+        status, body = server.http_get("/readyz")
+        assert status == 200, body
+    assert len(set(before + after)) == 20
+    record = json.loads(zk.get(f"{zk_path}/marks/0/0")[0])
+    assert record["marks_ms"][1] == newest, "the exact final mark of the value in use"
