@@ -28,7 +28,7 @@ from snowflake_thrift_client import Layout
 
 from .._errors import ConfigurationError, ReservationError, StartupRefused
 from .._ids.clocks import pause
-from .._state.reservation import MarkStore
+from .._state.reservation import MarkStore, valid_marks
 from .._state.statefile import layout_to_json, valid_layout_json
 
 __all__ = [
@@ -242,14 +242,7 @@ def _parse_mark(path: str, data: bytes, ours: Layout) -> tuple[tuple[int, ...], 
         if not isinstance(mark, int) or isinstance(mark, bool):
             raise ValueError(f"mark_ms is not a number: {mark!r}")
         by_value, in_use = value.get("marks_ms", [mark]), value.get("clock_sequence", 0)
-        if not (
-            isinstance(by_value, list)
-            and by_value
-            and all(type(m) is int for m in by_value)
-            and max(by_value) == mark
-            and type(in_use) is int
-            and 0 <= in_use < len(by_value)
-        ):
+        if not valid_marks(by_value, in_use, mark):
             raise ValueError(f"bad clock-sequence marks {by_value!r} (in use: {in_use!r})")
         recorded = layout_from_json(value["layout"])
     except (ValueError, UnicodeDecodeError) as e:

@@ -40,6 +40,7 @@ __all__ = [
     "RESERVE_AHEAD_MS",
     "MarkStore",
     "Reservation",
+    "valid_marks",
     "wait_for_clock",
 ]
 
@@ -97,6 +98,19 @@ def wait_for_clock(
     waited = time.monotonic() - started
     log.info("the clock passed the high-water mark after %.3f s", waited)
     return waited
+
+
+def valid_marks(by_value: object, in_use: object, newest: int) -> bool:
+    """Whether a stored record's marks per clock-sequence value (``by_value``, -1 for
+    none) and the value in use are well formed, the newest of them being ``newest``."""
+    return (
+        isinstance(by_value, list)
+        and bool(by_value)
+        and all(type(mark) is int and mark >= -1 for mark in by_value)
+        and max(by_value) == newest
+        and type(in_use) is int
+        and 0 <= in_use < len(by_value)
+    )
 
 
 class MarkStore(ABC):

@@ -36,7 +36,7 @@ from typing import Any
 from snowflake_thrift_client import Layout
 
 from .._errors import StartupRefused
-from .reservation import MarkStore
+from .reservation import MarkStore, valid_marks
 
 __all__ = [
     "LAYOUT_FIELDS",
@@ -173,14 +173,7 @@ class StateFile(MarkStore):
             return self._corrupt(f"it belongs to another worker: {owner}", discard_corrupt)
         if not isinstance(mark, int) or isinstance(mark, bool) or mark < 0:
             return self._corrupt(f"bad high_water_mark_ms {mark!r}", discard_corrupt)
-        if not (
-            isinstance(by_value, list)
-            and by_value
-            and all(type(m) is int and m >= -1 for m in by_value)
-            and max(by_value) == mark
-            and type(value) is int
-            and 0 <= value < len(by_value)
-        ):
+        if not valid_marks(by_value, value, mark):
             return self._corrupt(
                 f"bad clock-sequence marks {by_value!r} (in use: {value!r})", discard_corrupt
             )
