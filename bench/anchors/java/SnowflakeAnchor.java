@@ -155,7 +155,8 @@ public final class SnowflakeAnchor {
           (int) WORKER_ID_BITS,
           (int) SEQUENCE_BITS,
           datacenterId,
-          workerId);
+          workerId,
+          0); // no clock sequence: Twitter's layout
     }
   }
 
