@@ -13,7 +13,9 @@ GO_THRIFT ?= /usr/share/gocode/src/github.com/apache/thrift
 # ZooKeeper is libzookeeper-java (the jar) run by the JDK's java: the zookeeper package
 # pulls in a full JRE with X11 (x11-common's init script) and is not needed. The deploy
 # tests build the image (podman, debootstrap) and verify the systemd unit
-# (systemd-analyze, which checks that its ExecReload's /bin/kill exists).
+# (systemd-analyze, which checks that its ExecReload's /bin/kill exists). The node id
+# tests give a server an interface of its own in a network namespace (iproute2's ip;
+# unshare and nsenter come with util-linux, which every Debian has).
 # The client tests need the Thrift compiler, Node.js + npm (npm `thrift` is in
 # clients/node/package-lock.json), a JDK with Debian's libthrift-java, and Go with
 # Debian's golang-thrift-dev: nothing from Maven Central or the Go module proxy.
@@ -26,7 +28,8 @@ THRIFT_TOOLCHAINS := thrift:thrift-compiler \
 	go:golang-go $(GO_THRIFT)/lib/go/thrift/transport.go:golang-thrift-dev
 TEST_TOOLS := faketime:faketime /usr/share/java/zookeeper.jar:libzookeeper-java \
 	node:nodejs npm:npm $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS) \
-	podman:podman debootstrap:debootstrap systemd-analyze:systemd /bin/kill:procps
+	podman:podman debootstrap:debootstrap systemd-analyze:systemd /bin/kill:procps \
+	ip:iproute2
 BENCH_TOOLS := $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS) wrk:wrk
 
 # make stubs: client code generated from the IDL by the Apache Thrift compiler into

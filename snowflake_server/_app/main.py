@@ -1,11 +1,12 @@
 """``snowflake-server``: from command line to exit code.
 
-Flags, environment and config file become settings (``_config``); one process
-is a :class:`~snowflake_server._app.node.Node` served by ``serve``, several
-are run by the ``Supervisor``. SIGTERM or SIGINT: report not ready, serve on
-for ``--drain-seconds``, then stop accepting, let calls in flight finish, write
-the exact final marks, delete the registration, exit 0. SIGHUP: reload the TLS
-files, reopen the audit trail and the log file.
+Flags, environment and config file become settings (``_config``); a worker id
+to be read from the machine (``--worker-id ordinal``, ``ip``, ``mac``) becomes a
+number (``node_id``); one process is a :class:`~snowflake_server._app.node.Node`
+served by ``serve``, several are run by the ``Supervisor``. SIGTERM or SIGINT:
+report not ready, serve on for ``--drain-seconds``, then stop accepting, let
+calls in flight finish, write the exact final marks, delete the registration,
+exit 0. SIGHUP: reload the TLS files, reopen the audit trail and the log file.
 
 Exit codes: 0 after a signal, 2 for bad settings or a port in use, 3 when
 starting could repeat ids (clock far behind the mark, unusable state file,
@@ -23,7 +24,8 @@ from .._config.options import load_settings
 from .._errors import ConfigurationError, StartupRefused
 from .._observability.logs import configure_logging
 from .node import serve
-from .supervisor import Supervisor, die_with_supervisor
+from .node_id import resolve_worker_id
+from .supervisor import Supervisor, die_with_supervisor, origin_from_supervisor
 
 __all__ = ["main"]
 
@@ -40,10 +42,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         log_file = configure_logging(settings.logging)
+        # Read from the machine once, here: a child of the supervisor gets its id as a
+        # number, and where the supervisor read it from.
+        origin = origin_from_supervisor(os.environ)
+        if origin is None:
+            settings, origin = resolve_worker_id(settings)
         if settings.processes > 1:
-            return Supervisor(settings, log_file).run()
+            return Supervisor(settings, log_file, origin=origin).run()
         die_with_supervisor(os.environ)
-        return serve(settings, log_file)
+        return serve(settings, log_file, origin=origin)
     except ConfigurationError as e:
         print(f"snowflake-server: error: {e}", file=sys.stderr)
         return 2

@@ -46,6 +46,7 @@ from .._thrift.handler import Processor, SnowflakeHandler, service_methods
 from .._thrift.server import ThriftServer
 from .._thrift.tls import server_context
 from .._version import __version__
+from .node_id import WorkerIdOrigin, configured_origin
 from .notify import Notifier
 from .ready import ready_line
 
@@ -75,7 +76,7 @@ class Mode:
 
 def standalone(settings: ServerSettings, clock: Callable[[], int], defer: Defer) -> Mode:
     """One worker, its id configured: lock its state, honour its mark, serve."""
-    worker = Worker.open(settings.worker, settings.worker_id, clock=clock)
+    worker = Worker.open(settings.worker, settings.worker_number, clock=clock)
     defer(worker.close)  # the first close registered: it runs last
     return Mode(
         source=worker.generator,
@@ -129,7 +130,8 @@ class Node:
     ``close()``.
 
     ``clock`` is the wall clock ids are stamped with; ``zk_client_factory``
-    makes ZooKeeper clients in cluster mode.
+    makes ZooKeeper clients in cluster mode. ``origin`` says where the worker id came
+    from (``resolve_worker_id`` read it from the machine); by default the settings.
     """
 
     def __init__(
@@ -138,8 +140,10 @@ class Node:
         *,
         clock: Callable[[], int] = wall_clock_ms,
         zk_client_factory: Callable[..., Any] = KazooClient,
+        origin: WorkerIdOrigin | None = None,
     ) -> None:
         self.settings = settings
+        self.origin = configured_origin(settings) if origin is None else origin
         self._clock = clock
         self._zk_client_factory = zk_client_factory
         self._cleanup = contextlib.ExitStack()
@@ -166,7 +170,10 @@ class Node:
         mode = self._open_mode()
         self.readiness.add_check(mode.unavailable)
         metrics = ServiceMetrics(
-            mode.source, service_methods(), max_agents=self.settings.admin.max_agents
+            mode.source,
+            service_methods(),
+            max_agents=self.settings.admin.max_agents,
+            worker_id_source=self.origin.source,
         )
         self._audit = self._open_audit(mode)
         self._server = self._open_thrift(mode, metrics, self._audit)
@@ -229,6 +236,8 @@ class Node:
                 "phase": self.readiness.phase.value,
                 "worker_id": ids.worker_id,
                 "datacenter_id": ids.datacenter_id,
+                "worker_id_source": self.origin.source,
+                "worker_id_from": self.origin.detail,
                 "version": __version__,
                 **mode.details(),
             }
@@ -307,14 +316,20 @@ def on_signal(signum: signal.Signals, action: Callable[[str], None]) -> None:
     signal.signal(signum, handler)
 
 
-def serve(settings: ServerSettings, log_file: LogFile | None = None) -> int:
+def serve(
+    settings: ServerSettings,
+    log_file: LogFile | None = None,
+    *,
+    origin: WorkerIdOrigin | None = None,
+) -> int:
     """Run a server with ``settings`` until SIGTERM/SIGINT; return the exit code.
 
     The first SIGTERM or SIGINT drains (see :meth:`Node.drain`), a second one
     stops at once; SIGHUP reloads (:meth:`Node.reload`) and reopens ``log_file``.
+    ``origin``: where the worker id came from (see :class:`Node`).
     """
     notifier = Notifier(os.environ)
-    node = Node(settings)
+    node = Node(settings, origin=origin)
     node.start()
     try:
         stops = 0

@@ -4,12 +4,13 @@ Python serves on one core per process, and one worker id makes at most 4,096
 ids per ms. So a host scales by processes, not threads: the supervisor starts
 N children that bind the same Thrift port with SO_REUSEPORT (the kernel
 spreads connections over them), each with its own worker id (consecutive from
-``--worker-id``, or leased from ZooKeeper with ``auto``) and therefore its own
-generator, state file and lock: nothing is shared between them. The
-supervisor serves the metrics of all children on the one metrics port (each
-sample labelled ``process``), answers ``/readyz`` for all of them (ready when
-every child is), restarts a child that dies, and passes SIGTERM, SIGINT and
-SIGHUP on (each child drains, or reloads, on its own).
+``--worker-id``, or from the host name's ordinal x N with ``ordinal``, or leased
+from ZooKeeper with ``auto``) and therefore its own generator, state file and
+lock: nothing is shared between them. The supervisor serves the metrics of all
+children on the one metrics port (each sample labelled ``process``), answers
+``/readyz`` for all of them (ready when every child is), restarts a child that
+dies, and passes SIGTERM, SIGINT and SIGHUP on (each child drains, or reloads,
+on its own).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .._config.options import OPTIONS
+from .._config.options import OPTIONS, worker_id_text
 from .._config.settings import ServerSettings
 from .._errors import ConfigurationError, StartupRefused
 from .._observability.admin import AdminServer
@@ -41,10 +42,18 @@ from .._observability.logs import LogFile
 from .._observability.probes import Readiness
 from .._thrift.server import listen_socket
 from .node import on_signal
+from .node_id import WorkerIdOrigin, configured_origin
 from .notify import NOTIFY_SOCKET_ENV, Notifier
 from .ready import parse_ready_line, ready_line
 
-__all__ = ["SUPERVISOR_PID_ENV", "Supervisor", "child_argv", "die_with_supervisor"]
+__all__ = [
+    "SUPERVISOR_PID_ENV",
+    "WORKER_ID_ORIGIN_ENV",
+    "Supervisor",
+    "child_argv",
+    "die_with_supervisor",
+    "origin_from_supervisor",
+]
 
 log = logging.getLogger(__name__)
 _START_TIMEOUT_S = 60.0  # a child may wait for its clock (--max-startup-wait) and ZooKeeper
@@ -55,6 +64,9 @@ _SCRAPE_TIMEOUT_S = 2.0
 SUPERVISOR_PID_ENV = "SNOWFLAKE_SUPERVISOR_PID"
 """Set by the supervisor for its children: the pid they must not outlive."""
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+WORKER_ID_ORIGIN_ENV = "SNOWFLAKE_SUPERVISOR_WORKER_ID_ORIGIN"
+"""Set by the supervisor for its children: where their worker ids came from, as JSON
+(their flags carry only the ids)."""
 
 
 def die_with_supervisor(environ: Mapping[str, str]) -> None:
@@ -75,6 +87,17 @@ def die_with_supervisor(environ: Mapping[str, str]) -> None:
         raise StartupRefused(f"the supervisor (pid {parent}) is gone; not starting")
 
 
+def origin_from_supervisor(environ: Mapping[str, str]) -> WorkerIdOrigin | None:
+    """In a child of the supervisor: where its worker id came from, as the supervisor
+    read it from the machine (the child's own flags give only the number). None in a
+    process not started by the supervisor."""
+    given = environ.get(WORKER_ID_ORIGIN_ENV)
+    if not given or not environ.get(SUPERVISOR_PID_ENV):
+        return None
+    origin = json.loads(given)
+    return WorkerIdOrigin(str(origin["source"]), str(origin["detail"]))
+
+
 def child_argv(settings: ServerSettings) -> list[str]:
     """Flags that give a child exactly ``settings`` (flags beat environment and file)."""
     argv: list[str] = []
@@ -86,15 +109,16 @@ def child_argv(settings: ServerSettings) -> list[str]:
         elif value != "":
             argv += [
                 option.flag,
-                "auto" if option.name == "worker_id" and value < 0 else str(value),
+                worker_id_text(value) if option.name == "worker_id" else str(value),
             ]
     return argv
 
 
 class _Child:
-    def __init__(self, index: int, settings: ServerSettings) -> None:
+    def __init__(self, index: int, settings: ServerSettings, origin: WorkerIdOrigin) -> None:
         self.index = index
         self.settings = settings
+        self.origin = origin
         self.process: subprocess.Popen[str] | None = None
         self.metrics = ""  # host:port of its admin endpoint
         self.restarts = 0
@@ -105,6 +129,9 @@ class _Child:
         # the supervisor talks to systemd.
         env = {k: v for k, v in os.environ.items() if k != NOTIFY_SOCKET_ENV}
         env[SUPERVISOR_PID_ENV] = str(os.getpid())
+        env[WORKER_ID_ORIGIN_ENV] = json.dumps(
+            {"source": self.origin.source, "detail": self.origin.detail}
+        )
         # A group of its own: a terminal's Ctrl-C reaches the supervisor only, which
         # passes it on (so a drain is the supervisor's decision, as with SIGTERM).
         self.process = subprocess.Popen(
@@ -174,10 +201,18 @@ class _ChildrenMetrics(Collector):
 
 
 class Supervisor:
-    """Runs ``settings.processes`` children; see the module docstring."""
+    """Runs ``settings.processes`` children; see the module docstring. ``origin`` says
+    where the first worker id came from (see ``resolve_worker_id``)."""
 
-    def __init__(self, settings: ServerSettings, log_file: LogFile | None = None) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        log_file: LogFile | None = None,
+        *,
+        origin: WorkerIdOrigin | None = None,
+    ) -> None:
         self._settings = settings
+        self._origin = configured_origin(settings) if origin is None else origin
         self._log_file = log_file
         self._stop = threading.Event()
         self._children: list[_Child] = []
@@ -186,7 +221,8 @@ class Supervisor:
 
     def _child_settings(self, index: int, port: int, http_port: int) -> ServerSettings:
         settings = self._settings
-        worker_id = settings.worker_id if settings.auto_worker_id else settings.worker_id + index
+        first = settings.worker_number
+        worker_id = first if settings.auto_worker_id else first + index
         # Checked as it is made: the consecutive worker id must fit the layout.
         return replace(
             settings,
@@ -209,7 +245,7 @@ class Supervisor:
         http_port = holders[1].getsockname()[1] if len(holders) > 1 else settings.http_port
         try:
             for index in range(settings.processes):
-                child = _Child(index, self._child_settings(index, port, http_port))
+                child = _Child(index, self._child_settings(index, port, http_port), self._origin)
                 self._children.append(child)
                 child.start()
         except BaseException:
@@ -309,6 +345,8 @@ class Supervisor:
         )
         return why or None, {
             "phase": self._readiness.phase.value,
+            "worker_id_source": self._origin.source,
+            "worker_id_from": self._origin.detail,
             "processes": {
                 str(child.index): "unavailable" if str(child.index) in unready else "ok"
                 for child in self._children

@@ -20,7 +20,15 @@ from typing import Any
 from .._errors import ConfigurationError
 from .._state.statefile import default_state_dir
 from .._version import __version__
-from .settings import AUTO_WORKER_ID, LOG_FORMATS, LOG_LEVELS, ServerSettings, layout_from
+from .settings import (
+    AUTO_WORKER_ID,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    FromMachine,
+    ServerSettings,
+    datacenter_filled,
+    layout_from,
+)
 
 __all__ = [
     "ENV_PREFIX",
@@ -30,13 +38,31 @@ __all__ = [
     "build_parser",
     "layout_from",
     "load_settings",
+    "worker_id_text",
 ]
 
 ENV_PREFIX = "SNOWFLAKE_"
 
 
-def _worker_id(text: str) -> int:
-    return AUTO_WORKER_ID if text.strip().lower() == "auto" else int(text)
+def _worker_id(text: str) -> int | FromMachine:
+    word = text.strip().lower()
+    if word == "auto":
+        return AUTO_WORKER_ID
+    try:
+        return FromMachine(word)
+    except ValueError:
+        pass
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError("must be a number, auto, ordinal, ip or mac") from None
+
+
+def worker_id_text(value: int | FromMachine) -> str:
+    """``--worker-id``'s text for ``value``: what :func:`_worker_id` reads back."""
+    if isinstance(value, FromMachine):
+        return value.value
+    return "auto" if value == AUTO_WORKER_ID else str(value)
 
 
 def _bool(text: str) -> bool:
@@ -86,7 +112,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("datacenter_id", int, "Datacenter id of this server (0..31 by default).", "N"),
     Option("worker_id", _worker_id,
            "Worker id of this server, unique within its datacenter (0..31 by default); "
-           "'auto' leases the lowest free one from ZooKeeper.", "{N,auto}"),
+           "'auto' leases the lowest free one from ZooKeeper; 'ordinal' takes the host "
+           "name's trailing number (pod snowflake-7: worker 7); 'ip' and 'mac' take the "
+           "datacenter and worker ids together from the low bits of this host's IPv4 "
+           "address (--advertise-host, or the first interface's) or its interface's MAC "
+           "address.", "{N,auto,ordinal,ip,mac}"),
+    Option("force_node_id", _bool,
+           "With --worker-id ip or mac: use an address that is refused by default "
+           "(loopback; an all-zero, multicast or locally administered MAC, as containers "
+           "and VMs make up) as if it were this host's own."),
     Option("epoch", int, "Epoch of the ids' timestamps, in ms since the Unix epoch.", "MS"),
     Option("timestamp_bits", int, "Bits of an id holding ms since the epoch.", "N"),
     Option("datacenter_id_bits", int, "Bits of an id holding the datacenter id.", "N"),
@@ -189,7 +223,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("http_host", str, "Address of the HTTP/JSON API.", "ADDR"),
     Option("processes", int,
            "Run this many server processes on the one port (SO_REUSEPORT), each with its "
-           "own worker id: consecutive from --worker-id, or leased with auto.", "N"),
+           "own worker id: consecutive from --worker-id (from ordinal x N with ordinal), or "
+           "leased with auto.", "N"),
     Option("reuse_port", _bool,
            "Let several processes listen on --port (SO_REUSEPORT); --processes sets it."),
 )  # fmt: skip
@@ -197,7 +232,7 @@ OPTIONS: tuple[Option, ...] = (
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("server", ("host", "port", "transport", "idle_timeout", "processes", "reuse_port",
                 "drain_seconds", "http_host", "http_port")),
-    ("ids & layout", ("datacenter_id", "worker_id", "epoch", "timestamp_bits",
+    ("ids & layout", ("datacenter_id", "worker_id", "force_node_id", "epoch", "timestamp_bits",
                       "datacenter_id_bits", "worker_id_bits", "sequence_bits",
                       "clock_sequence_bits", "sequence_start")),
     ("clock & state", ("max_backwards_ms", "state_dir", "max_startup_wait",
@@ -314,7 +349,16 @@ def load_settings(
     if not values.get("state_dir"):
         values["state_dir"] = str(default_state_dir(environ))
     try:
-        return ServerSettings(**values)
+        settings = ServerSettings(**values)
+        source = settings.worker_id
+        # The settings cannot tell a datacenter id of 0 from none; the options can.
+        if (
+            isinstance(source, FromMachine)
+            and source.fills_datacenter
+            and "datacenter_id" in origin
+        ):
+            raise ConfigurationError(datacenter_filled(source))
+        return settings
     except ConfigurationError as e:
         # Settings name their fields; say where the values at fault were set.
         named = [o for o in OPTIONS if re.search(rf"\b{o.name}(_ms)?\b", str(e))]

@@ -11,6 +11,7 @@ generator), :attr:`~ServerSettings.worker` (state file and start-up wait),
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeVar
@@ -26,6 +27,7 @@ __all__ = [
     "AdminSettings",
     "AuditSettings",
     "ClusterSettings",
+    "FromMachine",
     "LogSettings",
     "ServerSettings",
     "ThriftSettings",
@@ -37,6 +39,24 @@ AUTO_WORKER_ID = -1
 """``--worker-id auto``: lease the lowest free worker id from ZooKeeper."""
 HTTP_OFF = -1
 """``--http-port`` by default: no HTTP/JSON API."""
+
+
+class FromMachine(enum.Enum):
+    """``--worker-id ordinal``, ``ip`` or ``mac``: an id read from this machine at start-up
+    (``_app/node_id.py``), then served as a fixed one."""
+
+    ORDINAL = "ordinal"
+    """The worker id is the host name's trailing number (StatefulSet pod ``snowflake-7``)."""
+    IP = "ip"
+    """The datacenter and worker ids are the low bits of this host's IPv4 address."""
+    MAC = "mac"
+    """The same from the MAC address of the interface holding that IPv4 address."""
+
+    @property
+    def fills_datacenter(self) -> bool:
+        """Whether it gives the datacenter id too: one node id split over both fields."""
+        return self is not FromMachine.ORDINAL
+
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
@@ -156,7 +176,8 @@ class ServerSettings:
     transport: Transport = "framed"
     idle_timeout: float = 600.0
     datacenter_id: int = 0
-    worker_id: int = 0
+    worker_id: int | FromMachine = 0
+    force_node_id: bool = False
     epoch: int = TWITTER_EPOCH_MS
     timestamp_bits: int = 41
     datacenter_id_bits: int = 5
@@ -228,12 +249,29 @@ class ServerSettings:
             raise ConfigurationError("tls_key and tls_client_ca need tls_cert")
         if self.worker_id == AUTO_WORKER_ID and not self.zookeeper:
             raise ConfigurationError("worker_id auto leases ids from ZooKeeper: give zookeeper")
-        # The layout, and the ids in it (a leased id is checked when it is leased).
-        self.worker.generator(0 if self.worker_id == AUTO_WORKER_ID else self.worker_id)
+        worker_id = self.worker_id
+        if isinstance(worker_id, FromMachine):
+            _machine_source(worker_id, self.datacenter_id, self.processes)
+            worker_id = 0
+        # The layout, and the ids in it (a leased id, or one read from the machine, is
+        # checked once it is known).
+        self.worker.generator(0 if worker_id == AUTO_WORKER_ID else worker_id)
 
     @property
     def auto_worker_id(self) -> bool:
         return self.worker_id == AUTO_WORKER_ID
+
+    @property
+    def worker_number(self) -> int:
+        """The worker id to serve (``AUTO_WORKER_ID`` with auto). Raises
+        ``ConfigurationError`` while it is still to be read from the machine: the
+        process entry point resolves ``ordinal``, ``ip`` and ``mac`` first."""
+        if isinstance(self.worker_id, FromMachine):
+            raise ConfigurationError(
+                f"worker_id {self.worker_id.value} is read from this machine at start-up, "
+                "and was not: resolve it first (resolve_worker_id)"
+            )
+        return self.worker_id
 
     @property
     def layout(self) -> Layout:
@@ -247,11 +285,11 @@ class ServerSettings:
     def ids(self) -> GeneratorSettings:
         """The generator's settings for the configured worker id (0 with ``auto``,
         until one is leased)."""
-        return self.worker.generator(0 if self.auto_worker_id else self.worker_id)
+        return self.worker.generator(0 if self.auto_worker_id else self.worker_number)
 
     @property
     def cluster(self) -> ClusterSettings:
-        return self._view(ClusterSettings)
+        return self._view(ClusterSettings, worker_id=self.worker_number)
 
     @property
     def thrift(self) -> ThriftSettings:
@@ -290,6 +328,28 @@ def layout_from(values: Any) -> Layout:
         worker_id_bits=values.worker_id_bits,
         sequence_bits=values.sequence_bits,
         clock_sequence_bits=values.clock_sequence_bits,
+    )
+
+
+def _machine_source(source: FromMachine, datacenter_id: int, processes: int) -> None:
+    if not source.fills_datacenter:
+        return  # ordinal: --processes multiplies it, checked once the ordinal is known
+    if datacenter_id != 0:
+        raise ConfigurationError(datacenter_filled(source))
+    if processes > 1:
+        raise ConfigurationError(
+            f"worker_id {source.value} gives each machine one node id (datacenter and worker "
+            "together): processes must be 1, as consecutive worker ids would take the node "
+            "ids of neighbouring addresses"
+        )
+
+
+def datacenter_filled(source: FromMachine) -> str:
+    """Why a datacenter id may not be given with ``source`` (``ip`` or ``mac``)."""
+    # Worded without other options' names: load_settings turns those into flags.
+    return (
+        f"worker_id {source.value} fills datacenter_id too (both come from the low bits "
+        "of the address): leave datacenter_id unset"
     )
 
 

@@ -135,7 +135,8 @@ class ServiceMetrics(Collector):
     ``methods`` are the Thrift methods whose latency is reported (each gets a
     histogram from the start, so dashboards see zeros rather than gaps).
     At most ``max_agents`` distinct user agents get a label of their own; ids
-    for any further agent are counted under ``OVERFLOW_AGENT``.
+    for any further agent are counted under ``OVERFLOW_AGENT``. ``worker_id_source``
+    (number, auto, ordinal, ip, mac) labels ``snowflake_info``.
     """
 
     def __init__(
@@ -144,10 +145,12 @@ class ServiceMetrics(Collector):
         methods: Sequence[str],
         *,
         max_agents: int = 100,
+        worker_id_source: str = "number",
     ) -> None:
         self._generator = generator
         self._methods = tuple(methods)
         self._max_agents = max_agents
+        self._worker_id_source = worker_id_source
         self._agents: set[str] = set()
         self._lock = threading.Lock()
         self._live: set[ConnectionStats] = set()
@@ -257,11 +260,12 @@ class ServiceMetrics(Collector):
         yield _gauge("datacenter_id", "This server's datacenter id.", ids.datacenter_id)
         info = GaugeMetricFamily(
             "snowflake_info",
-            "1, labelled with the node's ids: two series with one pair across a fleet "
+            "1, labelled with the node's ids and where its worker id came from (--worker-id: "
+            "number, auto, ordinal, ip or mac): two series with one pair across a fleet "
             "are two nodes that can hand out the same ids.",
-            labels=["datacenter_id", "worker_id"],
+            labels=["datacenter_id", "worker_id", "worker_id_source"],
         )
-        info.add_metric([str(ids.datacenter_id), str(ids.worker_id)], 1)
+        info.add_metric([str(ids.datacenter_id), str(ids.worker_id), self._worker_id_source], 1)
         yield info
         build = GaugeMetricFamily(
             "snowflake_build_info",

@@ -239,7 +239,9 @@ def test_a_standalone_server_serves_the_default_process_metrics() -> None:
     try:
         text = node.metrics()
         assert "process_open_fds " in text and "python_info{" in text
-        assert 'snowflake_info{datacenter_id="1",worker_id="7"} 1.0' in text
+        assert (
+            'snowflake_info{datacenter_id="1",worker_id="7",worker_id_source="number"} 1.0' in text
+        )
         assert "snowflake_ready 1.0" in text
     finally:
         node.stop()

@@ -17,6 +17,7 @@ import pytest
 from kubernetes_validate import utils as validate_utils
 
 from snowflake_server import ServerSettings
+from snowflake_server._app.node_id import Machine, resolve_worker_id
 from snowflake_server._config.options import OPTIONS, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,10 +31,7 @@ OLDEST_CURRENT = (1, 31)
 # marks go to disk and ZooKeeper and the node deregisters. All of it well within this.
 STOP_MARGIN_S = 10
 # What the downward API would give a pod, for the settings check.
-FIELD_VALUES = {
-    "metadata.labels['apps.kubernetes.io/pod-index']": "3",
-    "status.podIP": "10.1.2.3",
-}
+FIELD_VALUES = {"status.podIP": "10.1.2.3"}
 
 
 def _files() -> list[Path]:
@@ -143,15 +141,27 @@ def test_settings_are_accepted_by_the_server(variant: Variant) -> None:
     assert settings.log_format == "json"
 
 
+def pod_named(name: str) -> Machine:
+    return Machine(hostname=lambda: name)
+
+
 def test_worker_id_source(variant: Variant) -> None:
     env = variant.env
     if variant.name == "standalone":
-        # A StatefulSet keeps one pod per ordinal: the ordinal is a worker id of its own.
-        # (`--worker-id ordinal` will replace the label.)
-        field = env["SNOWFLAKE_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
-        assert field == "metadata.labels['apps.kubernetes.io/pod-index']"
+        # A StatefulSet keeps one pod per ordinal: the ordinal is a worker id of its own,
+        # read from the pod's host name, which is its name: <StatefulSet>-<ordinal>.
+        assert variant.literal("SNOWFLAKE_WORKER_ID") == "ordinal"
         assert "SNOWFLAKE_ZOOKEEPER" not in env
-        assert variant.statefulset["spec"]["replicas"] <= 2 ** ServerSettings().worker_id_bits
+        assert "hostname" not in variant.pod, "the pod's name must stay its host name"
+        replicas = variant.statefulset["spec"]["replicas"]
+        assert replicas <= 2 ** ServerSettings().worker_id_bits
+        settings = load_settings(
+            [], {"SNOWFLAKE_WORKER_ID": variant.literal("SNOWFLAKE_WORKER_ID")}
+        )
+        name = variant.statefulset["metadata"]["name"]
+        for ordinal in (0, replicas - 1):
+            pod = pod_named(f"{name}-{ordinal}")
+            assert resolve_worker_id(settings, pod)[0].worker_id == ordinal
     else:
         assert variant.literal("SNOWFLAKE_WORKER_ID") == "auto"
         assert variant.literal("SNOWFLAKE_ZOOKEEPER")

@@ -9,6 +9,7 @@ import pytest
 
 from snowflake_server import ConfigurationError, ServerSettings
 from snowflake_server._config.options import OPTIONS, build_parser, load_settings
+from snowflake_server._config.settings import FromMachine
 
 
 def test_defaults_are_the_originals() -> None:
@@ -102,3 +103,52 @@ def test_state_settings_and_switches(tmp_path: Path) -> None:
     config.write_text("discard-corrupt-state = true\nmax-startup-wait = 30\n")
     s = load_settings(["--config", str(config)], {})
     assert (s.discard_corrupt_state, s.max_startup_wait) == (True, 30.0)
+
+
+def test_worker_id_sources_and_the_force_switch(tmp_path: Path) -> None:
+    assert load_settings(["--worker-id", "ordinal"], {}).worker_id is FromMachine.ORDINAL
+    assert load_settings([], {"SNOWFLAKE_WORKER_ID": " MAC "}).worker_id is FromMachine.MAC
+    config = tmp_path / "c.toml"
+    config.write_text('worker-id = "ip"\nforce-node-id = true\n')
+    s = load_settings(["--config", str(config)], {})
+    assert (s.worker_id, s.force_node_id) == (FromMachine.IP, True)
+    assert load_settings(["--force-node-id"], {}).force_node_id is True
+    assert load_settings([], {"SNOWFLAKE_FORCE_NODE_ID": "yes"}).force_node_id is True
+    # ordinal leaves the datacenter id to the settings, and --processes to multiply it.
+    s = load_settings(["--worker-id", "ordinal", "--datacenter-id", "3", "--processes", "2"], {})
+    assert (s.worker_id, s.datacenter_id, s.processes) == (FromMachine.ORDINAL, 3, 2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--worker-id", "abc"], {},
+         "--worker-id: invalid value 'abc': must be a number, auto, ordinal, ip or mac"),
+        (["--worker-id", "ip", "--datacenter-id", "0"], {},
+         "--worker-id ip fills --datacenter-id too (both come from the low bits of the "
+         "address): leave --datacenter-id unset"),
+        (["--worker-id", "mac"], {"SNOWFLAKE_DATACENTER_ID": "4"},
+         "--worker-id mac fills --datacenter-id too (both come from the low bits of the "
+         "address): leave --datacenter-id unset (set by SNOWFLAKE_DATACENTER_ID)"),
+        ([], {"SNOWFLAKE_WORKER_ID": "ip", "SNOWFLAKE_PROCESSES": "2"},
+         "--worker-id ip gives each machine one node id (datacenter and worker together): "
+         "--processes must be 1, as consecutive worker ids would take the node ids of "
+         "neighbouring addresses (set by SNOWFLAKE_WORKER_ID; SNOWFLAKE_PROCESSES)"),
+    ],
+)  # fmt: skip
+def test_worker_id_sources_that_cannot_work_are_refused(
+    argv: list[str], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        load_settings(argv, env)
+    assert str(refused.value) == message
+
+
+def test_settings_read_from_the_machine_have_no_worker_id_until_resolved() -> None:
+    with pytest.raises(ConfigurationError, match="worker_id ip fills datacenter_id too"):
+        ServerSettings(worker_id=FromMachine.IP, datacenter_id=1)
+    settings = ServerSettings(worker_id=FromMachine.ORDINAL, datacenter_id=1)
+    for view in ("worker_number", "ids", "cluster"):
+        with pytest.raises(ConfigurationError, match="worker_id ordinal is read from this machine"):
+            getattr(settings, view)
+    assert replace(settings, worker_id=7).ids.worker_id == 7

@@ -39,6 +39,21 @@ def test_agent_labels_are_bounded() -> None:
     ]
 
 
+def test_the_info_metric_says_where_the_worker_id_came_from() -> None:
+    generator = IdGenerator(GeneratorSettings(datacenter_id=2, worker_id=22))
+    metrics = ServiceMetrics(generator, service_methods(), worker_id_source="mac")
+    assert (
+        scrape(metrics)['snowflake_info{datacenter_id="2",worker_id="22",worker_id_source="mac"}']
+        == 1
+    )
+    assert (
+        scrape(make_metrics()[1])[
+            'snowflake_info{datacenter_id="2",worker_id="5",worker_id_source="number"}'
+        ]
+        == 1
+    )
+
+
 def test_counts_from_open_and_closed_connections_add_up() -> None:
     _, metrics = make_metrics()
     first, second = metrics.open_connection(), metrics.open_connection()
@@ -124,7 +139,7 @@ def test_scraped_metrics_match_the_calls_made(transport: Transport) -> None:
             'snowflake_requests_total{method="get_ids",outcome="invalid_count"}': 1,
             'snowflake_requests_total{method="get_worker_id",outcome="ok"}': 1,
             'snowflake_requests_total{method="get_layout",outcome="ok"}': 0,
-            'snowflake_info{datacenter_id="0",worker_id="3"}': 1,
+            'snowflake_info{datacenter_id="0",worker_id="3",worker_id_source="number"}': 1,
             "snowflake_ready": 1,
             'snowflake_request_duration_seconds_count{method="get_id"}': 9,
             'snowflake_request_duration_seconds_count{method="get_ids"}': 3,

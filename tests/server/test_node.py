@@ -18,6 +18,8 @@ from snowflake_server import (
     StartupRefused,
     decompose,
 )
+from snowflake_server._app.node_id import WorkerIdOrigin
+from snowflake_server._config.settings import FromMachine
 from tests.support.endpoints import free_port, unique_scope
 from tests.support.inprocess import InProcessServer
 from tests.support.zookeeper import ZooKeeper
@@ -32,6 +34,25 @@ def test_a_standalone_node_serves_and_stops_with_its_exact_mark(tmp_path: Path) 
         assert status == 200 and json.loads(body)["worker_id"] == 9
     state = json.loads((tmp_path / "worker-2-9.json").read_text())
     assert state["high_water_mark_ms"] == decompose(ids[-1]).timestamp_ms, "exact, not reserved"
+
+
+def test_readyz_says_where_the_worker_id_came_from(tmp_path: Path) -> None:
+    with InProcessServer(ServerSettings(worker_id=4), tmp_path / "a") as server:
+        body = json.loads(server.http_get("/readyz")[1])
+        assert (body["worker_id_source"], body["worker_id_from"]) == ("number", "the settings")
+    read = WorkerIdOrigin("ordinal", "the host name snowflake-4")
+    with InProcessServer(ServerSettings(worker_id=4), tmp_path / "b", origin=read) as server:
+        body = json.loads(server.http_get("/readyz")[1])
+        assert body["worker_id"] == 4 and body["version"], "the fields it had stay"
+        assert body["worker_id_source"] == "ordinal"
+        assert body["worker_id_from"] == "the host name snowflake-4"
+        assert 'worker_id="4",worker_id_source="ordinal"} 1.0' in server.metrics()
+
+
+def test_a_node_needs_its_worker_id_read_from_the_machine_first(tmp_path: Path) -> None:
+    unresolved = ServerSettings(worker_id=FromMachine.MAC, state_dir=str(tmp_path))
+    with pytest.raises(ConfigurationError, match="worker_id mac is read from this machine"):
+        Node(unresolved)
 
 
 def test_a_port_in_use_is_a_configuration_error_and_nothing_stays_open(tmp_path: Path) -> None:

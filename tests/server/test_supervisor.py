@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 from snowflake_server import decompose, load_settings
-from snowflake_server._app.supervisor import _Child, _ChildrenMetrics, child_argv
+from snowflake_server._app.node_id import WorkerIdOrigin, configured_origin
+from snowflake_server._app.supervisor import (
+    SUPERVISOR_PID_ENV,
+    WORKER_ID_ORIGIN_ENV,
+    _Child,
+    _ChildrenMetrics,
+    child_argv,
+    origin_from_supervisor,
+)
 from tests.support.endpoints import free_port, unique_scope
 from tests.support.processes import (
     Load,
@@ -78,7 +86,8 @@ def test_a_dead_process_is_restarted(pair: ServerProcess) -> None:
 
 def test_a_child_that_cannot_be_scraped_reads_as_not_ready() -> None:
     settings = load_settings(["--worker-id", "3"], {})
-    alive, dead = _Child(0, settings), _Child(1, settings)
+    origin = configured_origin(settings)
+    alive, dead = _Child(0, settings, origin), _Child(1, settings, origin)
     dead.metrics = f"127.0.0.1:{free_port()}"  # nothing answers there
     child = start_server("--worker-id", "3")
     try:
@@ -95,12 +104,22 @@ def test_worker_ids_must_fit_for_every_process() -> None:
         start_server("--processes", "3", "--worker-id", "30")
 
 
-def test_children_get_exactly_the_parents_settings() -> None:
+@pytest.mark.parametrize("worker_id", ["auto", "7", "ordinal"])
+def test_children_get_exactly_the_parents_settings(worker_id: str) -> None:
     settings = load_settings(
-        ["--worker-id", "auto", "--zookeeper", "zk:2181", "--skip-sanity-checks",
-         "--state-dir", "/s", "--idle-timeout", "5"], {},
+        ["--worker-id", worker_id, "--zookeeper", "zk:2181", "--skip-sanity-checks",
+         "--state-dir", "/s", "--idle-timeout", "5", "--force-node-id"], {},
     )  # fmt: skip
     assert load_settings(child_argv(settings), {}) == settings
+
+
+def test_children_are_told_where_their_worker_ids_came_from() -> None:
+    """Their flags give only the number the supervisor computed (ordinal x N + i)."""
+    origin = WorkerIdOrigin("ordinal", "the host name snowflake-7")
+    child = {WORKER_ID_ORIGIN_ENV: json.dumps({"source": "ordinal", "detail": origin.detail})}
+    assert origin_from_supervisor({**child, SUPERVISOR_PID_ENV: "1"}) == origin
+    assert origin_from_supervisor(child) is None, "only under a supervisor"
+    assert origin_from_supervisor({SUPERVISOR_PID_ENV: "1"}) is None
 
 
 def test_children_die_with_a_killed_supervisor_and_free_their_worker_ids(tmp_path: Path) -> None:

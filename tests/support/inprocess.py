@@ -12,6 +12,7 @@ from typing import Any
 from kazoo.client import KazooClient
 
 from snowflake_server import Node, ServerSettings
+from snowflake_server._app.node_id import WorkerIdOrigin
 from snowflake_server._ids.clocks import wall_clock_ms
 from tests.support.endpoints import Endpoints, unique_scope
 
@@ -23,8 +24,8 @@ class InProcessServer(Endpoints):
     ``state_dir`` is used unless the settings name one. ``first_start_wait`` (0: a
     fresh state directory is the norm here) and ``host_lock_scope`` (one of its own,
     so that tests running at once never share a worker lock) replace the settings'
-    values. Use as a context manager, or
-    :meth:`start` and :meth:`stop`.
+    values; ``origin`` says where the worker id came from (the settings, by default).
+    Use as a context manager, or :meth:`start` and :meth:`stop`.
     """
 
     def __init__(
@@ -37,6 +38,7 @@ class InProcessServer(Endpoints):
         first_start_wait: float = 0.0,
         host_lock_scope: str | None = None,
         port: int = 0,
+        origin: WorkerIdOrigin | None = None,
     ) -> None:
         self.settings = replace(
             settings,
@@ -47,7 +49,9 @@ class InProcessServer(Endpoints):
             host_lock_scope=host_lock_scope if host_lock_scope is not None else unique_scope(),
         )
         self.transport = self.settings.transport
-        self.node = Node(self.settings, clock=clock, zk_client_factory=zk_client_factory)
+        self.node = Node(
+            self.settings, clock=clock, zk_client_factory=zk_client_factory, origin=origin
+        )
         self._thread: threading.Thread | None = None
         self._clients = []
 

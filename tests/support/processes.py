@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -117,14 +118,17 @@ def spawn_server(
     state_dir: Path | None = None,
     env: dict[str, str] | None = None,
     lock_scope: str | None = None,
+    wrapper: Sequence[str] = (),
 ) -> tuple[subprocess.Popen[str], IO[str], Path]:
     """Start ``snowflake-server`` without waiting for it: its process, its stderr and
-    its state directory (see :func:`start_server`; later ``args`` override the ports)."""
+    its state directory (see :func:`start_server`; later ``args`` override the ports).
+    ``wrapper`` goes before the command: one that execs it (``unshare ... sh -c '...
+    exec "$@"' sh``) leaves the server with the process's pid."""
     stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by the caller
     if state_dir is None:
         state_dir = Path(tempfile.mkdtemp(dir=_state_root()))
     command = [
-        sys.executable, "-X", "faulthandler", "-m", "snowflake_server",
+        *wrapper, sys.executable, "-X", "faulthandler", "-m", "snowflake_server",
         "--port", "0", "--metrics-port", "0", "--transport", transport,
         "--state-dir", str(state_dir),
         # A fresh state directory is the norm here, and tests run at once must not share
@@ -146,15 +150,22 @@ def start_server(
     state_dir: Path | None = None,
     env: dict[str, str] | None = None,
     lock_scope: str | None = None,
+    wrapper: Sequence[str] = (),
 ) -> ServerProcess:
     """Start ``snowflake-server`` on free ports and wait for its ready line.
 
     Each server gets a fresh state directory unless ``state_dir`` is given
     (pass the same one to restart a worker); ``env`` adds environment variables;
-    ``lock_scope`` shares a host lock scope between servers (one of their own by default).
+    ``lock_scope`` shares a host lock scope between servers (one of their own by default);
+    ``wrapper`` runs it inside another command (see :func:`spawn_server`).
     """
     process, stderr, state_dir = spawn_server(
-        *args, transport=transport, state_dir=state_dir, env=env, lock_scope=lock_scope
+        *args,
+        transport=transport,
+        state_dir=state_dir,
+        env=env,
+        lock_scope=lock_scope,
+        wrapper=wrapper,
     )
     assert process.stdout is not None
     deadline = time.monotonic() + timeout_s
