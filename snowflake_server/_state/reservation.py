@@ -155,9 +155,10 @@ class MarkStore(ABC):
         """The clock-sequence value the last write (or the loaded record) was for."""
         return self._value
 
-    def advance(self, mark_ms: int, clock_sequence: int = 0) -> int:
-        """Store ``mark_ms`` for ``clock_sequence`` unless a later one is stored, and
-        name that value as the one in use; return its stored mark.
+    def advance(self, mark_ms: int, clock_sequence: int = 0, *, switching: bool = False) -> int:
+        """Store ``mark_ms`` for ``clock_sequence`` unless a later one is stored; return
+        its stored mark. ``switching``: name that value as the one in use too (only a
+        move does, so that a renewal of the old value landing after it cannot).
 
         Raises whatever :meth:`_store` raised if the write failed (the old marks
         are then still in place).
@@ -165,28 +166,29 @@ class MarkStore(ABC):
         target = self._target(mark_ms)
         with self._write_lock:
             stored = self._marks[clock_sequence]
-            if target > stored or clock_sequence != self._value:
-                self._write(max(target, stored), clock_sequence)
+            in_use = clock_sequence if switching else self._value
+            if target > stored or in_use != self._value:
+                self._write(max(target, stored), clock_sequence, in_use)
             return self._marks[clock_sequence]
 
     def finish(self, mark_ms: int, clock_sequence: int = 0) -> None:
-        """Store the exact final mark of ``clock_sequence`` (possibly lower), once ids
-        have stopped."""
+        """Store the exact final mark of ``clock_sequence`` (possibly lower), the value in
+        use, once ids have stopped."""
         with self._write_lock:
-            self._write(mark_ms, clock_sequence)
+            self._write(mark_ms, clock_sequence, clock_sequence)
 
     def _target(self, mark_ms: int) -> int:
         return mark_ms
 
-    def _write(self, mark_ms: int, clock_sequence: int) -> None:
+    def _write(self, mark_ms: int, clock_sequence: int, in_use: int) -> None:
         marks = [*self._marks]
         marks[clock_sequence] = mark_ms
         try:
-            self._store(tuple(marks), clock_sequence)
+            self._store(tuple(marks), in_use)
         except BaseException:
             self.write_errors += 1
             raise
-        self._marks, self._value = marks, clock_sequence
+        self._marks, self._value = marks, in_use
         self.writes += 1
 
     @abstractmethod
@@ -249,8 +251,8 @@ class Reservation(Collector):
         ``wait_s`` for it. Raises ``ReservationError`` saying what happened: a
         write failed (which store, and why), or none covers ``now_ms`` in time.
         """
-        if self._thread is None:
-            return self._write_all(now_ms, self._value)
+        if self._thread is None:  # the start-up write: it names the value chosen
+            return self._write_all(now_ms, self._value, switching=True)
         with self._changed:
             if self._ceiling < now_ms:
                 self._wanted = max(self._wanted, now_ms)
@@ -274,7 +276,12 @@ class Reservation(Collector):
         and return the lowest stored, to be its ceiling; from then on renewals are for
         it. Raises ``ReservationError`` (and stays on the old value) if a write fails.
         The generator calls it under its lock, before any id uses the value."""
-        return self._write_all(now_ms, clock_sequence, switching=True)
+        try:
+            return self._write_all(now_ms, clock_sequence, switching=True)
+        except ReservationError as e:
+            with self._changed:
+                self._last_error = str(e)  # the calls fail: /readyz says why
+            raise
 
     @property
     def clock_sequence(self) -> int:
@@ -318,7 +325,7 @@ class Reservation(Collector):
         for store, ahead_ms in self._stores:
             self._writing = (store.where, time.monotonic())
             try:
-                stored = store.advance(now_ms + ahead_ms, value)
+                stored = store.advance(now_ms + ahead_ms, value, switching=switching)
             except Exception as e:  # noqa: BLE001 - OSError, ZooKeeper errors: all mean "not stored"
                 # Some errors have no text (a ZooKeeper timeout): their type says it.
                 raise ReservationError(

@@ -163,7 +163,12 @@ class StateFile(MarkStore):
             owner = {k: data.get(k) for k in self._identity}
             version = data.get("format")
             recorded = data["layout"] if version in (STATE_FORMAT, CLOCK_SEQUENCE_FORMAT) else None
-            by_value = data["high_water_marks_ms"] if version == CLOCK_SEQUENCE_FORMAT else [mark]
+            by_value = (
+                data["high_water_marks_ms"]
+                if version == CLOCK_SEQUENCE_FORMAT
+                # Older formats had no clock sequence: their mark is value 0's.
+                else [mark, *[-1] * (len(self._marks) - 1)]
+            )
             value = data["clock_sequence"] if version == CLOCK_SEQUENCE_FORMAT else 0
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             return self._corrupt(f"not a state file ({type(e).__name__}: {e})", discard_corrupt)

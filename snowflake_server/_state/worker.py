@@ -94,16 +94,22 @@ class Worker:
             used = [max(marks) for marks in zip(*(store.marks for store in found), strict=True)]
             used = used or [-1] * (settings.layout.max_clock_sequence + 1)
             last = found[0].clock_sequence if found else 0
-            value = pick_clock_sequence(used, last, clock()) if len(used) > 1 else None
-            if value is None:  # no value the clock is past: wait for the lowest marks
-                value = last if len(used) == 1 else used.index(min(used))
-            elif value != last:
-                log.warning(
-                    "the clock is %d ms behind the high-water mark of clock sequence %d: "
-                    "starting with clock sequence %d, whose ids it is past (ids made from "
-                    "now on are lower than some made before)",
-                    used[last] - clock(), last, value,
-                )  # fmt: skip
+            value = last
+            now = clock()
+            # A clock behind by no more than a step the generator waits out is waited
+            # for here too: a move would end the ids' increase for a few ms.
+            if len(used) > 1 and used[last] - now > settings.max_backwards_ms:
+                picked = pick_clock_sequence(used, last, now)
+                if picked is None:  # no value the clock is past: wait for the lowest marks
+                    value = used.index(min(used))
+                else:
+                    value = picked
+                    log.warning(
+                        "the clock is %d ms behind the high-water mark of clock sequence %d: "
+                        "starting with clock sequence %d, whose ids it is past (ids made "
+                        "from now on are lower than some made before)",
+                        used[last] - now, last, value,
+                    )  # fmt: skip
             resume_after = used[value]
             reservation = Reservation(stores, clock, clock_sequence=value)
             # Until the first reservation is stored the ceiling is the resume point:

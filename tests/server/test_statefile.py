@@ -220,7 +220,8 @@ def test_a_clock_sequence_keeps_a_mark_per_value_in_format_3(tmp_path: Path) -> 
     assert state.load() is None and state.marks == (-1, -1, -1, -1)
     assert state.advance(1000) == 1000
     assert state.advance(400, clock_sequence=2) == 400, "another value's own mark"
-    assert state.advance(300, clock_sequence=2) == 400, "never back while serving"
+    assert state.clock_sequence == 0, "only a move names the value in use"
+    assert state.advance(300, clock_sequence=2, switching=True) == 400, "never back"
     assert (state.clock_sequence, state.mark_ms) == (2, 400)
     state.close()
     again = StateFile.open(tmp_path, 1, 2, CLOCK_LAYOUT)
@@ -276,3 +277,13 @@ def test_a_layout_without_a_clock_sequence_still_writes_format_2(tmp_path: Path)
     assert "high_water_marks_ms" not in data
     with pytest.raises(StartupRefused, match="written under another id layout"):
         StateFile.open(tmp_path, 0, 0, CLOCK_LAYOUT).load()
+
+
+def test_a_format_1_mark_is_the_first_clock_sequence_value_s(tmp_path: Path) -> None:
+    (tmp_path / "worker-0-0.json").write_text(
+        '{"format": 1, "datacenter_id": 0, "worker_id": 0, "high_water_mark_ms": 5000}'
+    )
+    state = StateFile.open(tmp_path, 0, 0, CLOCK_LAYOUT)
+    assert state.load() == 5000
+    assert (state.marks, state.clock_sequence) == ((5000, -1, -1, -1), 0)
+    state.close()

@@ -507,7 +507,23 @@ def test_a_failed_switch_stays_on_the_old_value_and_renews_it(tmp_path: Path) ->
             worker.generator.next_id()
         assert worker.generator.clock_sequence == 0
         assert worker.reservation.clock_sequence == 0
+        assert "the remote store is down" in (worker.unavailable_reason() or ""), "/readyz"
     finally:
         store._store = MemoryMarks._store.__get__(store)  # type: ignore[method-assign]
         worker.close()
     assert store.records[-1] == ((T0, -1, -1, -1), 0), "the exact mark of the value in use"
+
+
+def test_a_restart_a_few_ms_behind_waits_rather_than_moving(tmp_path: Path) -> None:
+    clock = FakeClock(T0)
+    worker = open_worker(tmp_path, clock, datacenter_id_bits=3, clock_sequence_bits=2)
+    worker.generator.next_id()
+    worker.close()  # the exact mark: T0
+    clock.now -= 3  # within --max-backwards-ms 5
+    again = open_worker(tmp_path, clock, datacenter_id_bits=3, clock_sequence_bits=2)
+    try:
+        assert again.generator.clock_sequence == 0, "ids go on increasing"
+        assert again.reservation.startup_wait_s > 0
+        assert again.generator.counters().clock_sequence_switches == 0
+    finally:
+        again.close()

@@ -226,7 +226,7 @@ def test_a_clock_sequence_keeps_a_mark_per_value(zk: KazooClient, path: str) -> 
     store = ZkMarkStore.load(lambda: zk, path, Lost(), CLOCKED)
     assert (store.marks, store.clock_sequence) == ((-1, -1, -1, -1), 0)
     store.advance(T0 + 1)
-    store.advance(T0 - 60_000, clock_sequence=1)
+    store.advance(T0 - 60_000, clock_sequence=1, switching=True)
     assert json.loads(zk.get(path)[0]) == {
         "mark_ms": T0 + 1000,
         "marks_ms": [T0 + 1000, T0 - 60_000, -1, -1],
