@@ -143,9 +143,7 @@ class ZkMarkStore(MarkStore):
         marks: tuple[tuple[int, ...], int] | None = None,
     ) -> None:
         layout = layout or Layout()
-        by_value, value = marks or ((), 0)
-        if not by_value and layout.clock_sequence_bits:
-            by_value = (mark_ms, *[-1] * layout.max_clock_sequence)
+        by_value, value = marks or ((mark_ms, *[-1] * layout.max_clock_sequence), 0)
         super().__init__(mark_ms, by_value, value)
         self._client = client
         self._path = path

@@ -245,9 +245,6 @@ class IdGenerator:
             raise ConfigurationError("a clock sequence with a reservation needs switch")
         self._switch = switch
         self._sealed = False
-        # Bumped by every move to another clock sequence: a ceiling asked for before a
-        # move (even one back to the same value) is not a ceiling of the value now.
-        self._switch_epoch = 0
         self._max_sequence = layout.max_sequence
         self._max_ts = layout.max_timestamp_ms
         self._tolerance = settings.max_backwards_ms
@@ -517,7 +514,6 @@ class IdGenerator:
             behind, current, value,
         )  # fmt: skip
         self.clock_sequence_switches += 1
-        self._switch_epoch += 1
         # Close the current ms (keeping the derived id count exact), then start the new
         # value just before now: its used times are all before now.
         self._ids_before_this_ms += self._sequence - self._first_sequence + 1
@@ -554,7 +550,9 @@ class IdGenerator:
         # The background renewal fell behind: renew now, on this id's time, and
         # never under the lock (a write to ZooKeeper may take seconds).
         self.reservation_stalls += 1
-        epoch = self._switch_epoch
+        # Any move meanwhile (even one away and back to this value) makes the ceiling
+        # asked for now no ceiling of the value then in use.
+        switches = self.clock_sequence_switches
         self._release()
         try:
             ceiling = reserve(now)
@@ -564,5 +562,5 @@ class IdGenerator:
             raise ReservationError(f"reserve({now}) returned {ceiling}, before the ms asked for")
         # Another call moved to another clock sequence meanwhile (perhaps away and back):
         # this ceiling may be another value's, or an earlier stretch's of this one.
-        if epoch == self._switch_epoch:
+        if switches == self.clock_sequence_switches:
             self._raise_ceiling_locked(ceiling)  # sealed or raised meanwhile: kept so

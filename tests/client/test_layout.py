@@ -14,6 +14,8 @@ from snowflake_thrift_client import (
     decompose,
 )
 
+from tests.support.examples import SEED_003_JSON
+
 
 def test_worked_example_from_seed_003() -> None:
     decoded = decompose(910499571847892992)
@@ -21,15 +23,7 @@ def test_worked_example_from_seed_003() -> None:
     assert (decoded.datacenter_id, decoded.worker_id, decoded.sequence) == (17, 25, 0)
     assert compose(1505914988849, 17, 25, 0) == 910499571847892992
     assert decoded.datetime.isoformat() == "2017-09-20T13:43:08.849000+00:00"
-    assert decoded.to_json() == {
-        "id": "910499571847892992",  # a string: JSON numbers lose precision above 2**53
-        "time": "2017-09-20T13:43:08.849Z",
-        "timestamp_ms": 1505914988849,
-        "datacenter_id": 17,
-        "worker_id": 25,
-        "sequence": 0,
-        "clock_sequence": 0,
-    }
+    assert decoded.to_json() == SEED_003_JSON
     assert Layout(epoch_ms=TWITTER_EPOCH_MS) == DEFAULT_LAYOUT
     assert DEFAULT_LAYOUT.node_bits(17, 25) == (17 << 17) | (25 << 12)
 

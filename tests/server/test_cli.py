@@ -11,6 +11,7 @@ import pytest
 
 from snowflake_server import Layout, decompose
 from snowflake_server._cli import main
+from tests.support.examples import SEED_003_JSON
 from tests.support.inprocess import InProcessServer
 
 
@@ -24,15 +25,7 @@ def test_decode_the_worked_example(capsys: pytest.CaptureFixture[str]) -> None:
 def test_decode_json_keeps_ids_as_strings(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["decode", "--json", "910499571847892992", "0"]) == 0
     decoded = json.loads(capsys.readouterr().out)
-    assert decoded[0] == {
-        "id": "910499571847892992",
-        "time": "2017-09-20T13:43:08.849Z",
-        "timestamp_ms": 1505914988849,
-        "datacenter_id": 17,
-        "worker_id": 25,
-        "sequence": 0,
-        "clock_sequence": 0,
-    }
+    assert decoded[0] == SEED_003_JSON
     assert decoded[1]["time"] == "2010-11-04T01:42:54.657Z"
 
 

@@ -70,6 +70,7 @@ def test_a_rollback_beyond_the_tolerance_moves_to_the_next_value() -> None:
     gen = make(clock, switch=switches)
     before = gen.next_id()
     clock.now -= 2000
+    assert gen.clock_refusal() is None, "a value is free: /readyz stays ready"
     after = gen.next_id()
     assert parts(gen, before) == (T0, 0, 0)
     assert parts(gen, after) == (T0 - 2000, 1, 0)
@@ -79,6 +80,17 @@ def test_a_rollback_beyond_the_tolerance_moves_to_the_next_value() -> None:
     assert (counts.clock_sequence_switches, counts.clock_backwards_refused) == (1, 0)
     assert counts.ids_generated == 2
     assert gen.clock_sequence == 1
+
+
+def test_a_generator_without_stores_moves_in_memory() -> None:
+    # The decode vectors' generator, and any use without a state: nothing to persist.
+    clock = FakeClock(T0)
+    gen = make(clock)
+    gen.next_id()
+    clock.now -= 2000
+    assert parts(gen, gen.next_id()) == (T0 - 2000, 1, 0)
+    clock.now += 5000
+    assert parts(gen, gen.next_id()) == (T0 + 3000, 1, 0), "no ceiling to pass"
 
 
 def test_a_step_within_the_tolerance_is_still_waited_out() -> None:

@@ -332,3 +332,17 @@ def test_a_renewal_of_the_old_value_done_after_a_switch_is_not_the_new_ceiling()
         store.go_on.set()
         reservation.finish(generator)
     assert (store.marks[1], store.clock_sequence) == (T0 - 60_000, 1)
+
+
+def test_a_renewal_of_the_old_value_landing_after_a_move_is_no_ceiling_of_the_new() -> None:
+    clock = FakeClock(T0)
+    store = SlowStore(values=4)
+    reservation = Reservation([(store, 1000)], clock, every_s=3600)
+    assert reservation.reserve(T0) == T0 + 1000
+    clock.now = T0 - 60_000
+    assert reservation.switch(1, T0 - 60_000) == T0 - 59_000
+    # What the renewal thread does with a value it read before the move:
+    reservation._write_all(T0 + 500, 0)
+    assert store.marks[0] == T0 + 1500, "value 0's mark still moves on: safe"
+    clock.now = T0 - 58_000  # past value 1's mark, long before value 0's
+    assert "no high-water mark covers" in (reservation.failing or ""), "value 1 is not covered"
