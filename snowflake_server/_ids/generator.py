@@ -156,6 +156,11 @@ def pick_clock_sequence(used_until_ms: Sequence[int], first: int, now_ms: int) -
 # How long to yield while waiting for the next ms after the sequence ran out:
 # short, because the wait ends within one ms and throughput is lost meanwhile.
 _EXHAUSTED_POLL_S = 0.00005
+_RESERVES_PER_CALL = 3
+"""How often one call may ask for a new ceiling. A ceiling can be passed again
+before the call takes the lock back (a write that ended just short of now, a busy
+machine); the next ask then waits for a fresh write. Bounded, so a store that never
+keeps up fails the call rather than holding it."""
 
 
 class IdGenerator:
@@ -431,17 +436,18 @@ class IdGenerator:
         (Twitter #6).
         """
         last = self._last_ts
-        waited_back = waited_full = renewed = False
+        waited_back = waited_full = False
+        reserved = 0
         while True:
             if now > last:
                 if now > self._ceiling:
                     try:
-                        self._pass_ceiling(now, renewed)
+                        self._pass_ceiling(now, reserved)
                     except WouldBlock:
                         self._uncount(waited_full, waited_back)
                         raise
                     # Other calls ran meanwhile: start over from a fresh reading.
-                    renewed = True
+                    reserved += 1
                     now = self._clock()
                     last = self._last_ts
                     continue
@@ -529,9 +535,10 @@ class IdGenerator:
         self.sequence_exhausted_waits -= waited_full
         self.clock_backwards_waited -= waited_back
 
-    def _pass_ceiling(self, now: int, renewed: bool) -> None:
+    def _pass_ceiling(self, now: int, reserved: int) -> None:
         """Reserve past ``now``, with the lock released meanwhile (the caller holds it,
-        and holds it again afterwards, whatever happens)."""
+        and holds it again afterwards, whatever happens); ``reserved``: how often this
+        call did so already."""
         if now > self._max_ts:
             raise TimestampOverflowError(
                 f"the layout's timestamp bits ran out at {self._max_ts} ms"
@@ -539,8 +546,8 @@ class IdGenerator:
         reserve = self._reserve
         if reserve is None:
             raise ReservationError("the generator is shut down: no more ids")
-        if renewed:
-            # Reserved once in this call already, and the clock has passed it again.
+        if reserved >= _RESERVES_PER_CALL:
+            # The clock passed each ceiling this call was given: the writes lag it.
             raise ReservationError(
                 f"no high-water mark covers ms {now} yet: the reservation reached only "
                 f"ms {self._ceiling}"

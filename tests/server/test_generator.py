@@ -397,7 +397,7 @@ def test_a_slow_reserve_never_holds_the_lock() -> None:
     assert gen.counters().ids_generated == 2
 
 
-def test_a_call_past_a_renewed_ceiling_raises_instead_of_renewing_again() -> None:
+def test_a_call_whose_ceilings_the_clock_keeps_passing_raises() -> None:
     clock = FakeClock(T0)
 
     def late_reserve(ms: int) -> int:
@@ -408,9 +408,29 @@ def test_a_call_past_a_renewed_ceiling_raises_instead_of_renewing_again() -> Non
         GeneratorSettings(), clock=clock, sleep=clock.sleep, ceiling_ms=T0 - 1,
         reserve=late_reserve,
     )  # fmt: skip
-    with pytest.raises(ReservationError, match=f"no high-water mark covers ms {T0 + 5} yet"):
+    with pytest.raises(ReservationError, match=f"no high-water mark covers ms {T0 + 15} yet"):
         gen.next_id()
-    assert gen.counters() == GeneratorCounters(reservation_stalls=1)
+    assert gen.counters() == GeneratorCounters(reservation_stalls=3)
+
+
+def test_a_ceiling_passed_again_before_the_call_resumes_is_asked_for_again() -> None:
+    # Seen on a busy machine: the ceiling returned had just been passed when the call
+    # took the lock back. The next ask waits for a fresh write, and the call succeeds.
+    clock = FakeClock(T0)
+    asked: list[int] = []
+
+    def reserve(ms: int) -> int:
+        asked.append(ms)
+        clock.now += 36
+        return ms if len(asked) == 1 else ms + 1000
+
+    gen = IdGenerator(
+        GeneratorSettings(), clock=clock, sleep=clock.sleep, ceiling_ms=T0 - 1,
+        reserve=reserve,
+    )  # fmt: skip
+    assert decompose(gen.next_id()).timestamp_ms == T0 + 72
+    assert asked == [T0, T0 + 36]
+    assert gen.counters().reservation_stalls == 2
 
 
 def test_a_reserve_that_falls_short_is_an_error() -> None:
