@@ -33,6 +33,7 @@ from snowflake_thrift_client import (
 )
 
 __all__ = [
+    "ClockBehindMark",
     "ClockMovedBackwardsError",
     "ConfigurationError",
     "InvalidCountError",
@@ -50,6 +51,17 @@ __all__ = [
 class StartupRefused(SnowflakeError):
     """Starting now could hand out ids already issued: the message says why and
     what the operator can do (fix the clock, wait, repair the state file)."""
+
+
+class ClockBehindMark(StartupRefused):
+    """The clock is further behind a high-water mark than ``--max-startup-wait``:
+    ``behind_ms`` behind the mark in ``source``. With ``--worker-id auto`` another
+    worker id is taken instead (a clock that jumped forward used this one)."""
+
+    def __init__(self, message: str, behind_ms: int, source: str) -> None:
+        super().__init__(message)
+        self.behind_ms = behind_ms
+        self.source = source
 
 
 class TimestampOverflowError(SnowflakeError):

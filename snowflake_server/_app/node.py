@@ -95,8 +95,10 @@ def clustered(
         source=slot, collectors=[CurrentReservation(slot)], unavailable=slot.unavailable_reason
     )
 
-    def open_worker(worker_id: int, remote: tuple[MarkStore, int]) -> Worker:
-        return Worker.open(settings.worker, worker_id, clock=clock, remote=remote)
+    def open_worker(worker_id: int, remote: tuple[MarkStore, int], waited: float | None) -> Worker:
+        return Worker.open(
+            settings.worker, worker_id, clock=clock, remote=remote, first_start_waited=waited
+        )
 
     def join(port: int, defer: Defer) -> None:
         cluster = Cluster(

@@ -13,12 +13,24 @@ id's high-water mark from ZooKeeper as well as from its own disk (so an id
 recycled from a dead host never repeats a timestamp), and serves. It hands out
 ids only while its ephemeral node is certainly its own: a heartbeat proves the
 node is still there and owned by our session, and ids stop ``0.9 x session
-timeout`` after the last proof, whatever the session state says. After a lost
-session, or a node gone, it registers again (same id if free, otherwise
-another, with that id's mark); a client stuck in SUSPENDED (a ZooKeeper that
-came back empty) is replaced by a new one. Every ZooKeeper call of a
-registration ends within ``--zk-connect-timeout``, so a ZooKeeper that
-vanishes during start-up refuses it in about that time.
+timeout`` after the last proof, whatever the session state says; the timeout is
+the one ZooKeeper granted if lower than ``--zk-session-timeout`` (``session``).
+After a lost session, or a node gone, it puts the marks of the id it held back
+into ZooKeeper first (a ZooKeeper that lost its data lost them too), then
+registers again (same id if free, otherwise another, with that id's mark); a
+client stuck in SUSPENDED (a ZooKeeper that came back empty) is replaced by a
+new one. Every ZooKeeper call of a registration ends within
+``--zk-connect-timeout``, so a ZooKeeper that vanishes during start-up refuses
+it in about that time.
+
+A worker id without a mark in ZooKeeper is either new or was used before
+ZooKeeper lost its data, perhaps by a node whose clock is ahead of ours. So the
+node waits ``--first-start-wait`` (by default the session timeout plus
+``--max-peer-skew``) before reading the mark again: in that time a node that held
+the id has put its mark back or, gone for good, stamped its last id more than
+the allowed skew ago. With ``--worker-id auto`` an id whose mark is further
+ahead of our clock than ``--max-startup-wait`` (a node whose clock jumped
+forward used it) is skipped, and counted, rather than refusing to start.
 """
 
 from __future__ import annotations
@@ -39,18 +51,20 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .._config.settings import ClusterSettings
-from .._errors import StartupRefused
+from .._errors import ClockBehindMark, StartupRefused
 from .._ids.clocks import boot_clock, pause
 from .._state.reservation import MarkStore
 from .._state.statefile import layout_to_json
 from .._state.worker import Worker, WorkerSlot
 from .peers import check_peers
+from .session import GrantedTimeout, watch_granted_timeout
 from .zkmarks import (
     ZK_MARK_AHEAD_MS,
     MarkOfAnotherLayout,
     ZkMarkStore,
     describe_layout,
     layout_from_json,
+    restore_marks,
     session_id,
     zk_call,
 )
@@ -59,9 +73,10 @@ __all__ = ["Cluster", "OpenWorker", "advertised_address"]
 
 log = logging.getLogger(__name__)
 
-OpenWorker = Callable[[int, tuple[MarkStore, int]], Worker]
+OpenWorker = Callable[[int, tuple[MarkStore, int], "float | None"], Worker]
 """Opens the worker of a leased id, honouring the id's mark in ZooKeeper (the
-store and its margin); see :meth:`Worker.open`."""
+store and its margin); the seconds waited for a worker id with no mark in
+ZooKeeper (None: it has one); see :meth:`Worker.open`."""
 
 _OP_TIMEOUT_S = 2.0
 _GHOST_RETRIES = 2  # Twitter's: retry twice, 1 s apart; it may be our own ghost
@@ -109,7 +124,8 @@ class Cluster(Collector):
         self._sleep = sleep
         self.address = address
         self._timeout = settings.zk_session_timeout
-        self._every = min(1.0, self._timeout / 4) if supervise_every is None else supervise_every
+        self._granted = GrantedTimeout(self._timeout)
+        self._every = supervise_every
         self._dc = settings.datacenter_id
         self._layout = settings.layout
         self._wait = settings.zk_connect_timeout
@@ -119,9 +135,12 @@ class Cluster(Collector):
         self._client: Any = None
         self._node: str | None = None
         self._needs_register = False
+        # The marks of the id we held last, until they are back in ZooKeeper.
+        self._held: tuple[int, tuple[int, ...], int] | None = None
         self._suspended_since: float | None = None
         self._last_contact = float("-inf")
         self._events: Counter[str] = Counter()
+        self._skipped: Counter[str] = Counter()
         self.registrations = 0
         self.client_restarts = 0
         self._stop = threading.Event()
@@ -152,6 +171,7 @@ class Cluster(Collector):
             connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0),
             command_retry=KazooRetry(max_tries=5, delay=0.1, max_delay=1.0),
         )
+        self._granted = watch_granted_timeout(client, self._timeout)
         client.add_listener(self._on_state)
         try:
             client.start(timeout=self._settings.zk_connect_timeout)
@@ -181,14 +201,21 @@ class Cluster(Collector):
             worker_id = self._lease(preferred, patient, skipped)
             node = f"{self._nodes}/{worker_id}"
             try:
-                store = ZkMarkStore.load(
-                    lambda: self._client,
-                    f"{self._marks}/{worker_id}",
-                    self.lost_ownership,
-                    self._layout,
-                    self._wait,
-                )
-                worker = self._open_worker(worker_id, (store, ZK_MARK_AHEAD_MS))
+                store, waited = self._load_marks(worker_id)
+                worker = self._open_worker(worker_id, (store, ZK_MARK_AHEAD_MS), waited)
+            except ClockBehindMark as e:
+                self._delete(node)
+                if not self._settings.auto_worker_id:
+                    raise
+                log.warning(
+                    "skipping worker id %d: its high-water mark in %s is %.3f s ahead of our "
+                    "clock, more than --max-startup-wait (a node whose clock ran ahead used "
+                    "it); it is free again once the clock passes the mark",
+                    worker_id, e.source, e.behind_ms / 1000,
+                )  # fmt: skip
+                self._skipped["mark_ahead"] += 1
+                skipped.add(worker_id)
+                continue
             except MarkOfAnotherLayout as e:
                 self._delete(node)
                 if not self._settings.auto_worker_id or not e.epoch_only:
@@ -198,6 +225,7 @@ class Cluster(Collector):
                 # Another epoch's ids of this worker id are not ordered with ours: no
                 # mark can guard them, so leave the id to that layout.
                 log.warning("skipping worker id %d: %s", worker_id, e)
+                self._skipped["other_layout"] += 1
                 skipped.add(worker_id)
                 continue
             except BaseException:
@@ -205,11 +233,50 @@ class Cluster(Collector):
                 raise
             break
         self._node = node
+        self._held = None  # ours again, or another id's: the supervision has its marks
         self._slot.install(worker)
         self._needs_register = False
         self.registrations += 1
         log.info("registered %s as datacenter %d, worker %d", self.address, self._dc, worker_id)
         self._heartbeat()
+
+    def _load_marks(self, worker_id: int) -> tuple[ZkMarkStore, float | None]:
+        """The mark store of a leased ``worker_id``, and the seconds waited because
+        ZooKeeper held no mark of it (None: it held one). Without a mark the id is
+        new, or ZooKeeper lost its data: wait, then read again what a node that held
+        the id put back meanwhile."""
+        path = f"{self._marks}/{worker_id}"
+
+        def load() -> ZkMarkStore:
+            return ZkMarkStore.load(
+                lambda: self._client, path, self.lost_ownership, self._layout, self._wait
+            )
+
+        store = load()
+        if max(store.marks) >= 0:
+            return store, None
+        wait = self._settings.first_start_wait
+        if wait > 0:
+            log.warning(
+                "no high-water mark of worker id %d in ZooKeeper (%s): a new id, or one "
+                "ZooKeeper lost; waiting --first-start-wait %g s for a node that held it to "
+                "put its mark back, and for a clock ahead of ours by up to --max-peer-skew "
+                "to be passed",
+                worker_id, path, wait,
+            )  # fmt: skip
+            self._sleep(wait)
+            store = load()
+            if max(store.marks) >= 0:
+                log.warning("worker id %d has a high-water mark again: %s", worker_id, path)
+                return store, None
+        else:
+            log.warning(
+                "no high-water mark of worker id %d in ZooKeeper (%s), and not waiting "
+                "(--first-start-wait 0): if ZooKeeper lost its data, ids of a node that "
+                "held this id can repeat",
+                worker_id, path,
+            )  # fmt: skip
+        return store, wait
 
     def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """A ZooKeeper call that ends within ``--zk-connect-timeout`` (see ``zk_call``)."""
@@ -328,8 +395,15 @@ class Cluster(Collector):
         log.log(logging.INFO if state == KazooState.CONNECTED else logging.WARNING,
                 "ZooKeeper session %s", state)  # fmt: skip
 
+    @property
+    def session_timeout(self) -> float:
+        """The session timeout counted with: the requested one, or the granted one of
+        the latest session if lower."""
+        granted = self._granted.granted_s
+        return self._timeout if granted is None else min(self._timeout, granted)
+
     def _supervise(self) -> None:
-        while not self._stop.wait(self._every):
+        while not self._stop.wait(self._every or min(1.0, self.session_timeout / 4)):
             try:
                 self._tick()
             except StartupRefused as e:
@@ -340,7 +414,7 @@ class Cluster(Collector):
     def _tick(self) -> None:
         suspended = self._suspended_since
         if self._client is None or (
-            suspended is not None and self._gate() - suspended > self._timeout
+            suspended is not None and self._gate() - suspended > self.session_timeout
         ):
             # Past the session timeout and still SUSPENDED: a ZooKeeper that came back
             # empty never says LOST. Drop this client and start a new session.
@@ -361,24 +435,38 @@ class Cluster(Collector):
         session = self._client.client_id
         if stat is not None and session is None:
             return  # disconnected since it answered: not proven, the gate stays as it is
+        timeout = None if session is None else self._granted.for_session(session[0])
+        if stat is not None and timeout is None:
+            return  # another session answered than the one whose timeout we know
         if stat is None or stat.ephemeralOwner != session[0]:
             log.error("our registration %s is gone or not ours any more", node)
             self._slot.close(f"registration {node} lost; registering again")
             self._needs_register = True
             return
         # The server heard from our session after `sent`: the node is ours until at
-        # least sent + session timeout; stop a little earlier.
+        # least sent + session timeout (the granted one); stop a little earlier.
+        assert timeout is not None
         self._last_contact = sent
-        self._slot.open_until = sent + 0.9 * self._timeout
+        self._slot.open_until = sent + 0.9 * timeout
         self._slot.closed_reason = "ZooKeeper unreachable for longer than the session allows"
 
     def _register_again(self) -> None:
         old = self._slot.retire()
-        previous = old.worker_id if old is not None else None
+        if old is not None:
+            # Its exact final marks (the state file's): no id of it is stamped later.
+            self._held = (old.worker_id, old.state.marks, old.state.clock_sequence)
         node = self._node
         if node is not None and self._owned(node, f"registering again after {node}"):
             self._delete(node)  # ours; a node someone else holds is not ours to delete
         self._node = None
+        previous = None
+        if self._held is not None:
+            previous, marks, clock_sequence = self._held
+            # Before leasing anything: if ZooKeeper lost them, whoever leases that id
+            # meanwhile reads them after its wait (or its next write fails).
+            path = f"{self._marks}/{previous}"
+            if restore_marks(self._client, path, marks, clock_sequence, self._layout, self._wait):
+                log.warning("put the high-water mark of worker id %d back: %s", previous, path)
         self._register(preferred=previous, patient=False)
         log.warning("registered again as worker %d", self._slot.settings.worker_id)
 
@@ -418,6 +506,7 @@ class Cluster(Collector):
         return {
             "zookeeper": self._client.state if self._client is not None else "NONE",
             "registered": self._node,
+            "session_timeout_s": self.session_timeout,
         }
 
     def collect(self) -> Iterable[Metric]:
@@ -447,6 +536,21 @@ class Cluster(Collector):
             "Registrations of a worker id (the first, and each after a lost session).",
             value=self.registrations,
         )
+        yield GaugeMetricFamily(
+            "snowflake_zookeeper_session_timeout_seconds",
+            "The session timeout the gate counts with: --zk-session-timeout, or the one "
+            "ZooKeeper granted if lower.",
+            value=self.session_timeout,
+        )
+        skipped = CounterMetricFamily(
+            "snowflake_zookeeper_worker_ids_skipped",
+            "Worker ids --worker-id auto passed over, by reason: mark_ahead (their mark is "
+            "further ahead of our clock than --max-startup-wait), other_layout.",
+            labels=["reason"],
+        )
+        for reason in ("mark_ahead", "other_layout"):
+            skipped.add_metric([reason], self._skipped[reason])
+        yield skipped
         yield CounterMetricFamily(
             "snowflake_zookeeper_client_restarts",
             "ZooKeeper clients replaced after staying without a session too long.",

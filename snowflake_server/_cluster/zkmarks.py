@@ -11,6 +11,7 @@ being the newest of the marks.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -37,9 +38,12 @@ __all__ = [
     "ZkMarkStore",
     "describe_layout",
     "layout_from_json",
+    "restore_marks",
     "session_id",
     "zk_call",
 ]
+
+log = logging.getLogger(__name__)
 
 ZK_MARK_AHEAD_MS = 2000
 """How far ahead of the clock the mark in ZooKeeper is reserved (rounded up to whole
@@ -185,10 +189,7 @@ class ZkMarkStore(MarkStore):
 
     def _store(self, marks: tuple[int, ...], clock_sequence: int) -> None:
         zk = self._client()
-        record: dict[str, object] = {"mark_ms": max(marks), "layout": self._layout}
-        if len(marks) > 1:
-            record.update(marks_ms=list(marks), clock_sequence=clock_sequence)
-        data = json.dumps(record).encode()
+        data = _encode(marks, clock_sequence, self._layout)
         if zk is None:
             raise ReservationError(f"not writing {self._path}: no ZooKeeper client")
         owner = zk.client_id
@@ -203,15 +204,20 @@ class ZkMarkStore(MarkStore):
                 f"id (0x{self._session:x}) is gone; this client's session is 0x{owner[0]:x}"
             )
         try:
-            if self._version is None:
-                zk.ensure_path_async(self._path.rsplit("/", 1)[0]).get(timeout=_OP_TIMEOUT_S)
-                zk.create_async(self._path, data).get(timeout=_OP_TIMEOUT_S)
-                self._version = 0
-            else:
-                stat = zk.set_async(self._path, data, version=self._version).get(
-                    timeout=_OP_TIMEOUT_S
-                )
-                self._version = stat.version
+            if self._version is not None:
+                try:
+                    stat = zk.set_async(self._path, data, version=self._version).get(
+                        timeout=_OP_TIMEOUT_S
+                    )
+                    self._version = stat.version
+                    return
+                except NoNodeError:
+                    # Gone while our registration stands (ZooKeeper lost it, or a hand
+                    # deleted it): put it back. A create fails if another node did first.
+                    log.warning("the high-water mark %s is gone: writing it again", self._path)
+            zk.ensure_path_async(self._path.rsplit("/", 1)[0]).get(timeout=_OP_TIMEOUT_S)
+            zk.create_async(self._path, data).get(timeout=_OP_TIMEOUT_S)
+            self._version = 0
         except KazooTimeoutError:
             raise ReservationError(
                 f"writing {self._path}: no reply from ZooKeeper within {_OP_TIMEOUT_S:g} s"
@@ -221,6 +227,63 @@ class ZkMarkStore(MarkStore):
             raise ReservationError(
                 f"{self._path} was changed by another node: this node no longer owns the worker id"
             ) from None
+
+
+def restore_marks(
+    client: Any,
+    path: str,
+    marks: tuple[int, ...],
+    clock_sequence: int,
+    layout: Layout,
+    timeout_s: float = _OP_TIMEOUT_S,
+) -> bool:
+    """Put ``marks`` (a worker id's marks, one per clock-sequence value) into ``path``
+    where ZooKeeper holds none or lower ones: a node that held the id puts back what a
+    ZooKeeper that lost its data forgot. Never lowers a mark; keeps the value in use
+    that is recorded. True if it wrote. A mark of another layout is left alone.
+
+    Whoever holds the id now finds its next conditional write refused and stops,
+    then registers again under the higher mark: a duplicate it might have made is
+    worse than the interruption.
+    """
+    layout_json = layout_to_json(layout)
+    for _ in range(_RESTORE_TRIES):
+        try:
+            found, stat = zk_call(client, timeout_s, f"reading {path}", "get", path)
+        except NoNodeError:
+            if max(marks) < 0:
+                return False
+            try:
+                zk_call(client, timeout_s, f"restoring {path}", "create", path,
+                        _encode(marks, clock_sequence, layout_json), makepath=True)  # fmt: skip
+                return True
+            except NodeExistsError:
+                continue  # created meanwhile (perhaps by our own lost reply): merge with it
+        try:
+            recorded, in_use = _parse_mark(path, found, layout)
+        except MarkOfAnotherLayout:
+            return False
+        merged = tuple(max(a, b) for a, b in zip(recorded, marks, strict=True))
+        if merged == recorded:
+            return False
+        try:
+            zk_call(client, timeout_s, f"restoring {path}", "set", path,
+                    _encode(merged, in_use, layout_json), version=stat.version)  # fmt: skip
+            return True
+        except (BadVersionError, NoNodeError):
+            continue
+    raise StartupRefused(f"{path} kept changing while its high-water mark was put back")
+
+
+_RESTORE_TRIES = 5
+
+
+def _encode(marks: tuple[int, ...], clock_sequence: int, layout: dict[str, int]) -> bytes:
+    """The JSON record of ``marks`` (see the module docstring)."""
+    record: dict[str, object] = {"mark_ms": max(marks), "layout": layout}
+    if len(marks) > 1:
+        record.update(marks_ms=list(marks), clock_sequence=clock_sequence)
+    return json.dumps(record).encode()
 
 
 def _parse_mark(path: str, data: bytes, ours: Layout) -> tuple[tuple[int, ...], int]:

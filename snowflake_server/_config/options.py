@@ -168,10 +168,12 @@ OPTIONS: tuple[Option, ...] = (
            "Start even if the state file is unreadable or corrupt, as if it were "
            "missing. Only when the clock is surely past every id this worker issued."),
     Option("first_start_wait", float,
-           "When no high-water mark exists anywhere (no state file; in cluster mode none in "
-           "ZooKeeper either), wait this long before the first id, so that a clock stepped "
-           "back by at most this much cannot repeat ids of a lost state (Twitter slept at "
-           "every start). 0: no wait.", "SECONDS"),
+           "Before the first id of a worker id with no high-water mark (standalone: no state "
+           "file; in cluster mode: none in ZooKeeper, whatever the state file holds, since "
+           "another node may have used the id before ZooKeeper lost its data), wait this long, "
+           "so that a clock behind by less cannot repeat ids of a lost state or of that node "
+           "(Twitter slept at every start). Default: 5 s standalone; in cluster mode "
+           "--zk-session-timeout + --max-peer-skew (10 s if inf). 0: no wait.", "SECONDS"),
     Option("host_lock_scope", str,
            "Name of the host-wide worker lock's scope: two servers on one host (one network "
            "namespace) with one (datacenter, worker) and the same scope refuse to run at "
@@ -269,7 +271,7 @@ def build_parser(prog: str = "snowflake-server") -> argparse.ArgumentParser:
         for name in names:
             option = _BY_NAME[name]
             default = getattr(_DEFAULTS, option.name)
-            shown = f"; default {default}" if default != "" else ""
+            shown = f"; default {default}" if default not in ("", None) else ""
             help_text = f"{option.help} (env {option.env}{shown})"
             if option.is_switch:
                 group.add_argument(
@@ -287,7 +289,9 @@ def _convert(option: Option, value: object, source: str) -> Any:
     try:
         if isinstance(value, str):
             return option.parse(value)
-        kind = type(getattr(_DEFAULTS, option.name))
+        default = getattr(_DEFAULTS, option.name)
+        # A default of None is derived from other settings; the value is still a number.
+        kind = float if default is None else type(default)
         if kind is bool and isinstance(value, bool):
             return value
         # TOML values come typed: accept an int where a float is due, nothing looser.

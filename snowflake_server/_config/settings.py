@@ -38,6 +38,8 @@ __all__ = [
 AUTO_WORKER_ID = -1
 """``--worker-id auto``: lease the lowest free worker id from ZooKeeper."""
 HTTP_OFF = -1
+STANDALONE_FIRST_START_WAIT_S = 5.0
+UNBOUNDED_SKEW_WAIT_S = 10.0  # Twitter's start-up sleep, where no skew bound derives one
 """``--http-port`` by default: no HTTP/JSON API."""
 
 
@@ -196,7 +198,7 @@ class ServerSettings:
     max_startup_wait: float = 10.0
     sequence_start: Literal["zero", "random"] = "zero"
     discard_corrupt_state: bool = False
-    first_start_wait: float = 5.0
+    first_start_wait: float | None = None  # see first_start_window
     host_lock_scope: str = ""
     max_batch: int = 4096
     zookeeper: str = ""
@@ -234,7 +236,8 @@ class ServerSettings:
         _seconds("max_peer_skew", self.max_peer_skew, positive=True, unbounded=True)
         _seconds("idle_timeout", self.idle_timeout, positive=False, unbounded=False)
         _seconds("max_startup_wait", self.max_startup_wait, positive=False, unbounded=True)
-        _seconds("first_start_wait", self.first_start_wait, positive=False, unbounded=False)
+        if self.first_start_wait is not None:
+            _seconds("first_start_wait", self.first_start_wait, positive=False, unbounded=False)
         _seconds("drain_seconds", self.drain_seconds, positive=False, unbounded=False)
         _one_of("transport", self.transport, ("framed", "buffered"))
         _one_of("sequence_start", self.sequence_start, ("zero", "random"))
@@ -278,8 +281,22 @@ class ServerSettings:
         return layout_from(self)
 
     @property
+    def first_start_window(self) -> float:
+        """The wait before the first id of a worker id with no high-water mark:
+        ``--first-start-wait`` if given; else, standalone, 5 s; in cluster mode the
+        session timeout plus the peers' allowed skew (10 s if unbounded), the time
+        within which a node that held the id before ZooKeeper lost its data has put
+        its mark back or, gone for good, cannot have stamped an id ahead of our clock."""
+        if self.first_start_wait is not None:
+            return self.first_start_wait
+        if not self.zookeeper:
+            return STANDALONE_FIRST_START_WAIT_S
+        skew = self.max_peer_skew if math.isfinite(self.max_peer_skew) else UNBOUNDED_SKEW_WAIT_S
+        return self.zk_session_timeout + skew
+
+    @property
     def worker(self) -> WorkerSettings:
-        return self._view(WorkerSettings)
+        return self._view(WorkerSettings, first_start_wait=self.first_start_window)
 
     @property
     def ids(self) -> GeneratorSettings:
@@ -289,7 +306,9 @@ class ServerSettings:
 
     @property
     def cluster(self) -> ClusterSettings:
-        return self._view(ClusterSettings, worker_id=self.worker_number)
+        return self._view(
+            ClusterSettings, worker_id=self.worker_number, first_start_wait=self.first_start_window
+        )
 
     @property
     def thrift(self) -> ThriftSettings:

@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .._errors import ReservationError, StartupRefused
+from .._errors import ClockBehindMark, ReservationError, StartupRefused
 from .._ids.generator import IdGenerator
 
 __all__ = [
@@ -67,19 +67,21 @@ def wait_for_clock(
 ) -> float:
     """Block until ``clock()`` is past ``mark_ms``; return the seconds waited.
 
-    Raises ``StartupRefused`` at once if the clock is more than ``max_wait_s``
-    behind, or if it has still not passed the mark after that long.
+    Raises ``ClockBehindMark`` at once if the clock is more than ``max_wait_s``
+    behind, ``StartupRefused`` if it has still not passed the mark after that long.
     """
     behind = mark_ms - clock()
     if behind < 0:
         return 0.0
     if behind > max_wait_s * 1000:
-        raise StartupRefused(
+        raise ClockBehindMark(
             f"the clock is {behind / 1000:.3f} s behind the high-water mark {_iso(mark_ms)} "
             f"in {source}: this worker may already have issued ids up to then. Fix the clock "
             f"(is NTP running? run it in slew mode), or start with --max-startup-wait "
             f"{behind // 1000 + 1} or more to wait it out. Do not delete the state file: "
-            "that can hand out duplicate ids"
+            "that can hand out duplicate ids",
+            behind,
+            source,
         )
     log.warning(
         "the clock is %d ms behind the high-water mark %s in %s: waiting until it passes "

@@ -64,6 +64,7 @@ class Worker:
         clock: Callable[[], int],
         sleep: Callable[[float], object] = pause,
         remote: tuple[MarkStore, int] | None = None,
+        first_start_waited: float | None = None,
     ) -> Worker:
         """Take the worker's host lock, lock its state, honour its marks (waiting for
         the clock if it is behind them, or raising ``StartupRefused``), reserve ahead
@@ -73,7 +74,10 @@ class Worker:
         none does it wait (for the value with the lowest marks) or refuse.
 
         ``remote`` is a second mark store and its margin (ZooKeeper in cluster
-        mode): the mark of a worker id recycled from another host.
+        mode): the mark of a worker id recycled from another host. Cluster mode
+        waits out a worker id without a mark in ZooKeeper itself (then reads it
+        again), and says so with ``first_start_waited``: the seconds it waited (None:
+        ZooKeeper holds a mark).
         """
         dc = settings.datacenter_id
         with contextlib.ExitStack() as undo:  # what is taken is given back if opening fails
@@ -127,10 +131,13 @@ class Worker:
             )
             if value != last:
                 generator.clock_sequence_switches = 1  # not started yet: nothing reads it
-            if not found:
+            if first_start_waited is not None:
+                reservation.first_start = True
+                reservation.first_start_wait_s = first_start_waited
+            elif not found:
                 looked_in = [store.where for store, _ in stores]
                 _first_start(reservation, worker_id, looked_in, settings.first_start_wait, sleep)
-            else:
+            if found:
                 source = max(found, key=lambda store: store.marks[value]).where
                 reservation.startup_wait_s = wait_for_clock(
                     resume_after, clock, sleep, settings.max_startup_wait, source

@@ -69,6 +69,8 @@ def default_text(option: Option) -> str:
         return "off"
     if value == "":
         return "empty"
+    if value is None:
+        return "derived (see meaning)"
     return f"`{value:g}`" if isinstance(value, float) else f"`{value}`"
 
 
@@ -117,7 +119,7 @@ def _collected(*collectors: Collector) -> str:
     return generate_latest(registry).decode()
 
 
-def _no_worker(worker_id: int, remote: tuple[MarkStore, int]) -> Worker:
+def _no_worker(worker_id: int, remote: tuple[MarkStore, int], waited: float | None) -> Worker:
     raise AssertionError("collecting metrics never opens a worker")
 
 

@@ -25,13 +25,16 @@ from kazoo.protocol.connection import _CONNECTION_DROP, _SESSION_EXPIRED
 from kazoo.security import make_acl, make_digest_acl
 
 from snowflake_server import (
+    Layout,
     ServerSettings,
     StartupRefused,
     UnavailableError,
     decompose,
 )
 from snowflake_server._cluster.membership import Cluster, advertised_address
+from snowflake_server._errors import ClockBehindMark
 from snowflake_server._state.reservation import MarkStore
+from snowflake_server._state.statefile import layout_to_json
 from snowflake_server._state.worker import Worker, WorkerSlot
 from tests.support.endpoints import free_port, unique_scope
 from tests.support.fakes import FakeClock, SecondsClock
@@ -161,7 +164,12 @@ def member(zookeeper: ZooKeeper, zk_path: str, tmp_path: Path) -> Iterator[Make]
     made: list[Member] = []
 
     def make(
-        *, hosts: str | None = None, supervise_every: float = 3600.0, **overrides: Any
+        *,
+        hosts: str | None = None,
+        supervise_every: float = 3600.0,
+        clock_ms: int = T0,
+        on_sleep: Callable[[float], object] | None = None,
+        **overrides: Any,
     ) -> Member:
         defaults: dict[str, Any] = {
             "zookeeper": hosts or zookeeper.hosts,
@@ -173,16 +181,24 @@ def member(zookeeper: ZooKeeper, zk_path: str, tmp_path: Path) -> Iterator[Make]
             "host_lock_scope": unique_scope(),  # its own host, as its own state dir
         }
         settings = ServerSettings(**{**defaults, **overrides})
-        gate, clock = SecondsClock(), FakeClock(T0)
+        gate, clock = SecondsClock(), FakeClock(clock_ms)
         slot = WorkerSlot(settings.ids, clock=gate)
 
-        def open_worker(worker_id: int, remote: tuple[MarkStore, int]) -> Worker:
+        def open_worker(
+            worker_id: int, remote: tuple[MarkStore, int], waited: float | None
+        ) -> Worker:
             return Worker.open(
-                settings.worker, worker_id, clock=clock, sleep=clock.sleep, remote=remote
-            )
+                settings.worker, worker_id, clock=clock, sleep=clock.sleep, remote=remote,
+                first_start_waited=waited,
+            )  # fmt: skip
 
         clients: list[WatchedClient] = []
         sleeps: list[float] = []
+
+        def sleep(seconds: float) -> None:
+            sleeps.append(seconds)
+            if on_sleep is not None:
+                on_sleep(seconds)  # what happens elsewhere meanwhile
 
         def client_factory(**kwargs: Any) -> WatchedClient:
             client = WatchedClient(**kwargs)
@@ -198,7 +214,7 @@ def member(zookeeper: ZooKeeper, zk_path: str, tmp_path: Path) -> Iterator[Make]
             open_worker=open_worker,
             client_factory=client_factory,
             gate=gate,
-            sleep=sleeps.append,
+            sleep=sleep,
             supervise_every=supervise_every,
         )
         node = Member(cluster, slot, gate, clock, address, clients, sleeps)
@@ -273,7 +289,7 @@ def events(cluster: Cluster) -> dict[str, float]:
 @pytest.fixture
 def log_events() -> Iterator[LogEvents]:
     handler = LogEvents()
-    logger = logging.getLogger("snowflake_server._cluster.membership")
+    logger = logging.getLogger("snowflake_server._cluster")
     logger.addHandler(handler)
     yield handler
     logger.removeHandler(handler)
@@ -295,7 +311,11 @@ def test_a_static_id_is_registered_and_served(member: Make, zk: KazooClient, zk_
     assert node.slot.serving and node.slot.open_until == node.gate.now + OPEN_FOR
     assert decompose(node.slot.next_id()).worker_id == 3
     assert node.sleeps == [] and node.cluster.registrations == 1
-    assert node.cluster.details() == {"zookeeper": "CONNECTED", "registered": path}
+    assert node.cluster.details() == {
+        "zookeeper": "CONNECTED",
+        "registered": path,
+        "session_timeout_s": SESSION,
+    }
     assert node.slot.unavailable_reason() is None
     counts = samples(node.cluster)
     assert counts["snowflake_zookeeper_registered"] == 1
@@ -374,7 +394,11 @@ def test_unreachable_zookeeper_is_refused_within_the_connect_timeout(member: Mak
         f"cannot reach ZooKeeper at {hosts} within 0.5 s (--zk-connect-timeout)"
     )
     assert node.cluster.client is None and not node.client.connected, "stopped, not left trying"
-    assert node.cluster.details() == {"zookeeper": "NONE", "registered": None}
+    assert node.cluster.details() == {
+        "zookeeper": "NONE",
+        "registered": None,
+        "session_timeout_s": SESSION,
+    }
     assert node.slot.unavailable_reason() == "this node is not handing out ids: not registered yet"
     counts = samples(node.cluster)
     assert counts["snowflake_zookeeper_registered"] == 0
@@ -784,3 +808,166 @@ def test_a_connection_dropped_while_taking_an_id_is_a_refusal(
     monkeypatch.setattr(WatchedClient, "client_id", property(lambda self: None))
     with pytest.raises(StartupRefused, match=r"connection dropped while registering .*nodes/0/5"):
         node.cluster.register()
+
+
+# -- faults: a granted session timeout, ZooKeeper's lost data, a clock that ran ahead ----
+
+
+def test_the_gate_counts_with_the_session_timeout_zookeeper_granted(
+    member: Make, tmp_path: Path, log_events: LogEvents
+) -> None:
+    # Asked for 10 s, granted 2 s (its maxSessionTimeout): the registration can be
+    # leased elsewhere 2 s after the last contact, so ids stop 1.8 s after it.
+    own = ZooKeeper(tmp_path / "zk", max_session_timeout_ms=2000)
+    own.start()
+    try:
+        node = member(hosts=own.hosts, worker_id=4, zk_session_timeout=10.0).join()
+        log_events.wait_for("ZooKeeper granted a session timeout of 2 s, not the 10 s asked for")
+        assert node.slot.open_until == node.gate.now + 1.8
+        assert node.cluster.session_timeout == 2.0
+        assert node.cluster.details()["session_timeout_s"] == 2.0
+        assert samples(node.cluster)["snowflake_zookeeper_session_timeout_seconds"] == 2.0
+        node.gate.advance(1.8)
+        assert node.slot.serving
+        node.gate.advance(0.001)
+        assert not node.slot.serving, "the gate closed at 0.9 x the granted timeout"
+        assert node.slot.unavailable_reason() == f"this node is not handing out ids: {UNREACHABLE}"
+        # A client left SUSPENDED is replaced after the granted timeout too.
+        stuck = node.client
+        own.stop()
+        stuck.states.wait_for(KazooState.SUSPENDED)
+        node.tick()
+        assert node.cluster.client is stuck, "within the session"
+        node.gate.advance(2.001)
+        node.tick()
+        assert node.cluster.client_restarts == 1
+    finally:
+        own.stop()
+
+
+def test_a_heartbeat_from_a_session_whose_granted_timeout_is_unknown_proves_nothing(
+    member: Make,
+) -> None:
+    node = member(worker_id=5).join()
+    node.gate.advance(OPEN_FOR + 0.001)
+    node.cluster._granted.record(session_of(node) + 1, 4000)  # another session's reply
+    node.tick()
+    assert not node.slot.serving
+    node.cluster._granted.record(session_of(node), 4000)
+    node.tick()
+    assert node.slot.serving
+
+
+def test_a_mark_deleted_under_a_registered_node_is_written_again(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    node = member(worker_id=6).join()
+    marks = f"{zk_path}/marks/0/6"
+    zk.delete(marks)
+    node.clock.now += 3000  # past the reserved mark: the next id needs a write
+    assert decompose(node.slot.next_id()).timestamp_ms == T0 + 3000
+    assert mark(zk, marks) == T0 + 5000, "put back, ahead of the id"
+    assert node.slot.serving
+
+
+def lose_data(own: ZooKeeper, *nodes: Member) -> None:
+    """ZooKeeper stops, comes back empty; ``nodes`` see their session gone."""
+    own.stop()
+    for node in nodes:
+        node.client.states.wait_for(KazooState.SUSPENDED)
+    own.wipe()
+    own.start()
+
+
+def comes_back(node: Member) -> None:
+    """What the node's supervision does once ZooKeeper is back, empty: replace the
+    client stuck without a session (past the timeout), then register again."""
+    node.gate.advance(SESSION + 0.001)
+    node.tick()
+    node.tick()
+
+
+def test_after_zookeeper_lost_its_data_a_node_on_the_id_waits_for_its_holder_to_come_back(
+    member: Make, tmp_path: Path, log_events: LogEvents
+) -> None:
+    # Seen: B, whose clock is 3 s behind A's, leased A's worker id from an emptied
+    # ZooKeeper before A registered again, and both handed out the same ids.
+    own = ZooKeeper(tmp_path / "zk")
+    own.start()
+    try:
+        a = member(hosts=own.hosts, worker_id=-1, clock_ms=T0 + 5000).join()
+        issued_by_a = {a.slot.next_id() for _ in range(50)}
+        lose_data(own, a)
+        # B leases worker 0: ZooKeeper has no mark of it. While B waits, A is back.
+        b = member(
+            hosts=own.hosts, worker_id=-1, first_start_wait=15.0, on_sleep=lambda _s: comes_back(a)
+        ).join()
+        log_events.wait_for("put the high-water mark of worker id 0 back")
+        assert b.sleeps == [15.0] and b.worker_id == 0
+        assert a.worker_id == 1, "A took another id: B had leased its own"
+        from_b = [b.slot.next_id() for _ in range(50)]
+        assert not issued_by_a & set(from_b)
+        assert min(decompose(i).timestamp_ms for i in from_b) > max(
+            decompose(i).timestamp_ms for i in issued_by_a
+        ), "B waited for its clock to pass A's mark"
+        assert b.slot.worker is not None
+        assert not b.slot.worker.reservation.first_start, "it found a mark after all"
+    finally:
+        own.stop()
+
+
+def test_after_zookeeper_lost_its_data_a_holder_back_first_keeps_its_id_and_mark(
+    member: Make, tmp_path: Path, zk_path: str
+) -> None:
+    own = ZooKeeper(tmp_path / "zk")
+    own.start()
+    try:
+        a = member(hosts=own.hosts, worker_id=-1, clock_ms=T0 + 5000).join()
+        last = max(a.slot.next_id() for _ in range(50))
+        lose_data(own, a)
+        comes_back(a)
+        assert a.worker_id == 0 and a.slot.serving
+        assert decompose(a.slot.next_id()).timestamp_ms >= decompose(last).timestamp_ms
+        b = member(hosts=own.hosts, worker_id=0, clock_ms=T0 + 2000, first_start_wait=15.0)
+        b.cluster.connect()
+        with pytest.raises(StartupRefused, match="registered by"):
+            b.cluster.register()
+        assert b.sleeps == [1.0, 1.0], "the mark is there: no first-start wait, only retries"
+        client = own.client()
+        client.start(timeout=10)
+        try:
+            assert mark(client, f"{zk_path}/marks/0/0") >= decompose(last).timestamp_ms
+        finally:
+            client.stop()
+            client.close()
+    finally:
+        own.stop()
+
+
+def test_a_worker_id_without_a_mark_waits_the_window_when_no_holder_comes_back(
+    member: Make, tmp_path: Path
+) -> None:
+    node = member(worker_id=-1, first_start_wait=15.0).join()
+    assert node.sleeps == [15.0], "waited once, by the cluster"
+    assert node.clock.sleeps == [], "Worker.open did not wait again"
+    worker = node.slot.worker
+    assert worker is not None and worker.reservation.first_start
+    assert worker.reservation.first_start_wait_s == 15.0
+
+
+def test_auto_skips_an_id_whose_mark_ran_far_ahead(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
+) -> None:
+    # A node whose clock jumped an hour ahead used worker 0, then went away.
+    ahead = json.dumps({"mark_ms": T0 + 3_600_000, "layout": layout_to_json(Layout())})
+    zk.create(f"{zk_path}/marks/0/0", ahead.encode(), makepath=True)
+    node = member(worker_id=-1).join()
+    assert node.worker_id == 1 and node.slot.serving
+    log_events.wait_for("skipping worker id 0: its high-water mark in zookeeper:")
+    counts = samples(node.cluster)
+    assert counts['snowflake_zookeeper_worker_ids_skipped_total{reason="mark_ahead"}'] == 1
+    assert zk.exists(f"{zk_path}/nodes/0/0") is None, "not left registered"
+    static = member(worker_id=0)
+    static.cluster.connect()
+    with pytest.raises(ClockBehindMark, match=re.escape("3600.000 s behind the high-water mark")):
+        static.cluster.register()

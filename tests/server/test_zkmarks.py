@@ -16,7 +16,13 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.protocol.connection import _SESSION_EXPIRED
 
 from snowflake_server import Layout, ReservationError, StartupRefused
-from snowflake_server._cluster.zkmarks import MarkOfAnotherLayout, ZkMarkStore, zk_call
+from snowflake_server._cluster.zkmarks import (
+    MarkOfAnotherLayout,
+    ZkMarkStore,
+    restore_marks,
+    zk_call,
+)
+from snowflake_server._state.statefile import layout_to_json
 from tests.support.zookeeper import ZooKeeper
 
 pytestmark = pytest.mark.zookeeper
@@ -304,3 +310,82 @@ def test_a_call_to_a_vanished_zookeeper_ends_within_its_timeout(tmp_path: Path) 
         client.stop()
         client.close()
         own.stop()
+
+
+# -- putting marks back after ZooKeeper lost them -----------------------------------
+
+
+def record(path: str, client: KazooClient) -> dict[str, Any]:
+    value: dict[str, Any] = json.loads(client.get(path)[0].decode())
+    return value
+
+
+def test_restore_creates_a_mark_zookeeper_lost(zk: KazooClient, path: str) -> None:
+    assert restore_marks(zk, path, (T0 + 5000,), 0, Layout())
+    assert record(path, zk) == {"mark_ms": T0 + 5000, "layout": layout_to_json(Layout())}
+    assert not restore_marks(zk, path, (T0 + 5000,), 0, Layout()), "nothing left to do"
+
+
+def test_restore_never_lowers_a_mark_and_raises_a_lower_one(zk: KazooClient, path: str) -> None:
+    zk.create(path, str(T0 + 9000).encode(), makepath=True)
+    assert not restore_marks(zk, path, (T0 + 5000,), 0, Layout())
+    assert stored(zk, path) == (T0 + 9000, 0)
+    assert restore_marks(zk, path, (T0 + 12000,), 0, Layout())
+    assert stored(zk, path) == (T0 + 12000, 1)
+
+
+def test_restore_merges_marks_per_clock_sequence_value_keeping_the_value_in_use(
+    zk: KazooClient, path: str
+) -> None:
+    layout = Layout(timestamp_bits=40, clock_sequence_bits=1)
+    store = ZkMarkStore.load(lambda: zk, path, Lost(), layout)
+    store.advance(T0 + 3000, 1, switching=True)  # the holder now uses value 1
+    assert restore_marks(zk, path, (T0 + 8000, T0 + 1000), 0, layout)
+    found = record(path, zk)
+    assert found["marks_ms"] == [T0 + 8000, T0 + 3000] and found["clock_sequence"] == 1
+    with pytest.raises(ReservationError, match="was changed by another node"):
+        store.advance(T0 + 6000, 1)  # the holder's next write is refused: it stops
+
+
+def test_restore_leaves_a_mark_of_another_layout_alone(zk: KazooClient, path: str) -> None:
+    other = json.dumps({"mark_ms": T0, "layout": layout_to_json(Layout(epoch_ms=0))})
+    zk.create(path, other.encode(), makepath=True)
+    assert not restore_marks(zk, path, (T0 + 5000,), 0, Layout())
+    assert record(path, zk)["mark_ms"] == T0
+
+
+def test_restore_of_no_mark_writes_nothing(zk: KazooClient, path: str) -> None:
+    assert not restore_marks(zk, path, (-1,), 0, Layout())
+    assert zk.exists(path) is None
+
+
+def test_restore_merges_with_a_mark_created_meanwhile(zk: KazooClient, path: str) -> None:
+    class RacingClient:
+        """Another node creates the mark between our read and our create."""
+
+        def __init__(self) -> None:
+            self.raced = False
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "create_async" and not self.raced:
+                self.raced = True
+                zk.create(path, str(T0 + 1000).encode(), makepath=True)
+            return getattr(zk, name)
+
+    assert restore_marks(RacingClient(), path, (T0 + 5000,), 0, Layout())
+    assert stored(zk, path) == (T0 + 5000, 1)
+
+
+def test_restore_gives_up_on_a_mark_that_keeps_changing(zk: KazooClient, path: str) -> None:
+    zk.create(path, str(T0).encode(), makepath=True)
+
+    class Meddler:
+        """Another writer moves the mark between each read and our write."""
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "set_async":
+                zk.set(path, str(T0).encode())
+            return getattr(zk, name)
+
+    with pytest.raises(StartupRefused, match="kept changing"):
+        restore_marks(Meddler(), path, (T0 + 5000,), 0, Layout())

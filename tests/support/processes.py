@@ -119,11 +119,13 @@ def spawn_server(
     env: dict[str, str] | None = None,
     lock_scope: str | None = None,
     wrapper: Sequence[str] = (),
+    first_start_wait: str | None = "0",
 ) -> tuple[subprocess.Popen[str], IO[str], Path]:
     """Start ``snowflake-server`` without waiting for it: its process, its stderr and
     its state directory (see :func:`start_server`; later ``args`` override the ports).
     ``wrapper`` goes before the command: one that execs it (``unshare ... sh -c '...
-    exec "$@"' sh``) leaves the server with the process's pid."""
+    exec "$@"' sh``) leaves the server with the process's pid. ``first_start_wait``:
+    the flag's value (None: the server's own default, derived in cluster mode)."""
     stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by the caller
     if state_dir is None:
         state_dir = Path(tempfile.mkdtemp(dir=_state_root()))
@@ -133,7 +135,8 @@ def spawn_server(
         "--state-dir", str(state_dir),
         # A fresh state directory is the norm here, and tests run at once must not share
         # the host-wide worker lock: later flags in ``args`` override these.
-        "--first-start-wait", "0", "--host-lock-scope", lock_scope or unique_scope(), *args,
+        *(["--first-start-wait", first_start_wait] if first_start_wait is not None else []),
+        "--host-lock-scope", lock_scope or unique_scope(), *args,
     ]  # fmt: skip
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("SNOWFLAKE_")},
@@ -151,6 +154,7 @@ def start_server(
     env: dict[str, str] | None = None,
     lock_scope: str | None = None,
     wrapper: Sequence[str] = (),
+    first_start_wait: str | None = "0",
 ) -> ServerProcess:
     """Start ``snowflake-server`` on free ports and wait for its ready line.
 
@@ -166,6 +170,7 @@ def start_server(
         env=env,
         lock_scope=lock_scope,
         wrapper=wrapper,
+        first_start_wait=first_start_wait,
     )
     assert process.stdout is not None
     deadline = time.monotonic() + timeout_s

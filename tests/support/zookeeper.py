@@ -26,7 +26,9 @@ class ZooKeeper:
     """A standalone ZooKeeper in ``directory``; :meth:`stop` and :meth:`start` again
     keep its data (sessions survive), :meth:`wipe` makes it come back empty."""
 
-    def __init__(self, directory: Path, tick_ms: int = 200) -> None:
+    def __init__(
+        self, directory: Path, tick_ms: int = 200, max_session_timeout_ms: int = 60000
+    ) -> None:
         assert JAR.exists(), "ZooKeeper (Debian's libzookeeper-java) is installed by `make test`"
         assert shutil.which("java"), (
             "java (Debian's default-jdk-headless) is installed by `make test`"
@@ -35,6 +37,7 @@ class ZooKeeper:
         self.port = free_port()
         self.hosts = f"127.0.0.1:{self.port}"
         self._tick_ms = tick_ms
+        self._max_session_timeout_ms = max_session_timeout_ms
         self._process: subprocess.Popen[bytes] | None = None
         self._log = directory / "zookeeper.log"
 
@@ -48,7 +51,7 @@ class ZooKeeper:
             f"clientPort={self.port}\n"
             "clientPortAddress=127.0.0.1\n"
             "admin.enableServer=false\n"
-            "maxSessionTimeout=60000\n"
+            f"maxSessionTimeout={self._max_session_timeout_ms}\n"
         )
         # Its log configuration, in a directory on the class path: to the log file.
         (self.directory / "log4j.properties").write_text(LOG4J)
