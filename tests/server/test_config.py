@@ -152,3 +152,22 @@ def test_settings_read_from_the_machine_have_no_worker_id_until_resolved() -> No
         with pytest.raises(ConfigurationError, match="worker_id ordinal is read from this machine"):
             getattr(settings, view)
     assert replace(settings, worker_id=7).ids.worker_id == 7
+
+
+def test_the_first_start_wait_is_derived_unless_given(tmp_path: Path) -> None:
+    assert ServerSettings().worker.first_start_wait == 5.0, "standalone: Twitter's 5 s"
+    clustered = ServerSettings(zookeeper="zk:2181", zk_session_timeout=4, max_peer_skew=7)
+    assert clustered.worker.first_start_wait == clustered.cluster.first_start_wait == 11.0
+    unbounded = replace(clustered, max_peer_skew=float("inf"))
+    assert unbounded.first_start_window == 14.0, "10 s where the skew has no bound"
+    assert replace(clustered, first_start_wait=0.0).cluster.first_start_wait == 0.0
+    config = tmp_path / "snowflake.toml"
+    config.write_text("first-start-wait = 3\n")
+    assert load_settings(["--config", str(config)], {}).first_start_window == 3.0
+    config.write_text("first-start-wait = true\n")
+    with pytest.raises(ConfigurationError, match="must be a number"):
+        load_settings(["--config", str(config)], {})
+    with pytest.raises(ConfigurationError, match="first_start_wait"):
+        ServerSettings(first_start_wait=-1.0)
+    help_text = " ".join(build_parser().format_help().split())
+    assert "0: no wait. (env SNOWFLAKE_FIRST_START_WAIT)" in help_text, "no default shown"
