@@ -51,8 +51,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .._config.settings import ClusterSettings
-from .._errors import ClockBehindMark, StartupRefused
-from .._ids.clocks import boot_clock, pause
+from .._errors import ClockBehindMark, ReservationError, StartupRefused
+from .._ids.clocks import boot_clock
 from .._state.reservation import MarkStore
 from .._state.statefile import layout_to_json
 from .._state.worker import Worker, WorkerSlot
@@ -112,7 +112,7 @@ class Cluster(Collector):
         open_worker: OpenWorker,
         client_factory: Callable[..., Any] = KazooClient,
         gate: Callable[[], float] = boot_clock,
-        sleep: Callable[[float], object] = pause,
+        sleep: Callable[[float], object] | None = None,
         supervise_every: float | None = None,
     ) -> None:
         self._settings = settings
@@ -121,7 +121,9 @@ class Cluster(Collector):
         self._open_worker = open_worker
         self._client_factory = client_factory
         self._gate = gate
-        self._sleep = sleep
+        self._stop = threading.Event()
+        # A stop ends a wait at once (the first-start wait can be long): by default.
+        self._sleep = sleep or self._stop.wait
         self.address = address
         self._timeout = settings.zk_session_timeout
         self._granted = GrantedTimeout(self._timeout)
@@ -143,7 +145,6 @@ class Cluster(Collector):
         self._skipped: Counter[str] = Counter()
         self.registrations = 0
         self.client_restarts = 0
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
@@ -228,6 +229,13 @@ class Cluster(Collector):
                 self._skipped["other_layout"] += 1
                 skipped.add(worker_id)
                 continue
+            except ReservationError as e:
+                # Its first write was refused: a node put the id's mark back meanwhile.
+                self._delete(node)
+                raise StartupRefused(
+                    f"worker id {worker_id}: {e}; its high-water mark changed while this node "
+                    "took it; start again (it will honour the new mark)"
+                ) from None
             except BaseException:
                 self._delete(node)
                 raise
@@ -265,6 +273,15 @@ class Cluster(Collector):
                 worker_id, path, wait,
             )  # fmt: skip
             self._sleep(wait)
+            if self._stop.is_set():
+                raise StartupRefused("stopping: no registration")
+            # The node must still be ours, in the session that created it: after the wait
+            # the store is bound to the session current then.
+            node = f"{self._nodes}/{worker_id}"
+            if not self._owned(node, f"waiting for the mark of {path}"):
+                raise StartupRefused(
+                    f"the registration {node} was lost while waiting for its high-water mark"
+                )
             store = load()
             if max(store.marks) >= 0:
                 log.warning("worker id %d has a high-water mark again: %s", worker_id, path)
@@ -332,7 +349,7 @@ class Cluster(Collector):
         for worker_id in order:
             if self._take(f"{self._nodes}/{worker_id}", data):
                 return worker_id
-        also = f", {len(skipped)} of them skipped for marks of another layout" if skipped else ""
+        also = f", {len(skipped)} of them skipped for their marks" if skipped else ""
         raise StartupRefused(
             f"all {max_id + 1} worker ids of datacenter {self._dc} are leased "
             f"({self._nodes}{also}); widen --worker-id-bits or use another datacenter id"

@@ -32,6 +32,7 @@ from snowflake_server import (
     decompose,
 )
 from snowflake_server._cluster.membership import Cluster, advertised_address
+from snowflake_server._cluster.zkmarks import ZkMarkStore
 from snowflake_server._errors import ClockBehindMark
 from snowflake_server._state.reservation import MarkStore
 from snowflake_server._state.statefile import layout_to_json
@@ -749,7 +750,7 @@ def test_out_of_worker_ids_is_a_clear_refusal(
         member(**narrow).join()
     with pytest.raises(StartupRefused) as info:
         member(**narrow).join()
-    skipped = ", 1 of them skipped for marks of another layout" if another_layout else ""
+    skipped = ", 1 of them skipped for their marks" if another_layout else ""
     assert str(info.value) == (
         f"all 2 worker ids of datacenter 0 are leased ({zk_path}/nodes/0{skipped}); widen "
         "--worker-id-bits or use another datacenter id"
@@ -922,11 +923,14 @@ def test_after_zookeeper_lost_its_data_a_holder_back_first_keeps_its_id_and_mark
     own = ZooKeeper(tmp_path / "zk")
     own.start()
     try:
-        a = member(hosts=own.hosts, worker_id=-1, clock_ms=T0 + 5000).join()
+        a = member(hosts=own.hosts, worker_id=-1, clock_ms=T0 + 5000, first_start_wait=15.0)
+        a.join()
+        assert a.sleeps == [15.0], "a new id: waited once"
         last = max(a.slot.next_id() for _ in range(50))
         lose_data(own, a)
         comes_back(a)
         assert a.worker_id == 0 and a.slot.serving
+        assert a.sleeps == [15.0], "its mark was back before it leased: no wait this time"
         assert decompose(a.slot.next_id()).timestamp_ms >= decompose(last).timestamp_ms
         b = member(hosts=own.hosts, worker_id=0, clock_ms=T0 + 2000, first_start_wait=15.0)
         b.cluster.connect()
@@ -971,3 +975,33 @@ def test_auto_skips_an_id_whose_mark_ran_far_ahead(
     static.cluster.connect()
     with pytest.raises(ClockBehindMark, match=re.escape("3600.000 s behind the high-water mark")):
         static.cluster.register()
+
+
+def test_a_mark_put_back_just_before_the_first_write_refuses_the_start_cleanly(
+    member: Make, zk: KazooClient, zk_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marks = f"{zk_path}/marks/0/0"
+    original = ZkMarkStore.load
+
+    def load_then_holder_comes_back(*args: Any, **kwargs: Any) -> ZkMarkStore:
+        store = original(*args, **kwargs)
+        zk.create(marks, str(T0 + 100).encode(), makepath=True)  # after our read
+        return store
+
+    monkeypatch.setattr(ZkMarkStore, "load", load_then_holder_comes_back)
+    node = member(worker_id=0)
+    node.cluster.connect()
+    with pytest.raises(StartupRefused, match="its high-water mark changed while this node took"):
+        node.cluster.register()
+    assert zk.exists(f"{zk_path}/nodes/0/0") is None, "not left registered"
+    assert mark(zk, marks) == T0 + 100, "the holder's mark stands"
+
+
+def test_a_registration_lost_during_the_wait_is_not_served(
+    member: Make, zookeeper: ZooKeeper, zk_path: str
+) -> None:
+    node = member(worker_id=0, first_start_wait=1.0)
+    node.cluster.connect()
+    node.cluster._sleep = lambda _s: expire(node)
+    with pytest.raises(StartupRefused, match="was lost while waiting for its high-water mark"):
+        node.cluster.register()

@@ -143,8 +143,9 @@ def test_an_unreachable_peer_refuses_start(check: Check, register: Register, whe
     assert message.startswith(f"peer {dead} (registered as datacenter 0, worker 9) is unreachable")
     assert "--skip-sanity-checks" in message
     if where == "dead":
-        # As long as a node may take to listen after registering (its start-up waits).
-        assert "refused connections for 20 s" in message
+        # As long as a node may take to listen after registering (its start-up waits:
+        # in cluster mode the first-start wait is 10 + 10 s, the start-up wait 10 s).
+        assert "refused connections for 35 s" in message
 
 
 def test_a_peer_that_registered_but_listens_only_now_is_asked_again(
