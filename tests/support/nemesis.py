@@ -34,6 +34,7 @@ THRIFT_PORT = 7609  # each node has a namespace, so a port, of its own: the defa
 ADMIN_PORT = 9990
 SESSION_S = 4.0  # asked for; the ensemble grants less (ZooKeeperEnsemble's max_session_ms)
 LOAD_SCRIPT = Path(__file__).with_name("nemesis_load.py")
+RECORD_S = 90  # the recorder stops by itself after this long: a scenario takes under a minute
 
 
 # -- the record ---------------------------------------------------------------------
@@ -350,7 +351,7 @@ class Recorder:
         self.recording = Recording(directory / "record.jsonl")
         config = {
             "out": str(self.recording.path),
-            "deadline_s": 90,  # a scenario takes under a minute
+            "deadline_s": RECORD_S,
             "pace_s": 0.005,  # a get_id every 5 ms per node
             "call_timeout_s": 1.0,
             "poll_s": 0.05,  # a /readyz poll every 50 ms per node
@@ -388,7 +389,10 @@ class Recorder:
 
     def wait(self, condition: Callable[[Recording], object], what: str, timeout_s: float) -> None:
         def seen() -> object:
-            assert self._process.poll() is None, f"the recorder died: {self._log.read_text()}"
+            assert self._process.poll() is None, (
+                f"the recorder ended (its {RECORD_S} s deadline, or a crash): "
+                f"{self._log.read_text()}"
+            )
             return condition(self.recording.refresh())
 
         wait_until(seen, what, timeout_s)
