@@ -2,7 +2,8 @@
 # make test      : install everything (Python deps in .venv, Debian packages the tests need),
 #                  lint and type-check, run the whole suite measuring coverage across the
 #                  processes it starts, and fail below the coverage floors
-# make test-fast : the suite without ZooKeeper, interop toolchains and slow tests (seconds)
+# make test-fast : the suite without ZooKeeper, interop toolchains, slow tests and the nemesis
+#                  (seconds)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -14,8 +15,8 @@ GO_THRIFT ?= /usr/share/gocode/src/github.com/apache/thrift
 # pulls in a full JRE with X11 (x11-common's init script) and is not needed. The deploy
 # tests build the image (podman, debootstrap) and verify the systemd unit
 # (systemd-analyze, which checks that its ExecReload's /bin/kill exists). The node id
-# tests give a server an interface of its own in a network namespace (iproute2's ip;
-# unshare and nsenter come with util-linux, which every Debian has).
+# tests and the partition nemesis put servers in network namespaces (iproute2's ip;
+# unshare, nsenter and setpriv come with util-linux, which every Debian has).
 # The client tests need the Thrift compiler, Node.js + npm (npm `thrift` is in
 # clients/node/package-lock.json), a JDK with Debian's libthrift-java, and Go with
 # Debian's golang-thrift-dev: nothing from Maven Central or the Go module proxy.
@@ -163,7 +164,7 @@ coverage:
 
 test-fast: install prometheus-tools
 	PATH="$(abspath $(PROMETHEUS_BIN)):$$PATH" \
-	  $(BIN)/pytest -n $(PYTEST_WORKERS) -m "not zookeeper and not interop and not slow"
+	  $(BIN)/pytest -n $(PYTEST_WORKERS) -m "not zookeeper and not interop and not slow and not nemesis"
 
 # The benchmark harness (about 9 minutes; BENCH_ARGS=--quick for a smoke run of about
 # two): results in bench/results/<time>/ and bench/results/latest.md; then the HTTP/JSON
