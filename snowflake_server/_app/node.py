@@ -246,6 +246,7 @@ class Node:
         # The collectors list is read at each scrape: the cluster's joins it later.
         registry = metrics.registry(_Each(mode.collectors), self.readiness)
         admin = AdminServer(registry, self.settings.admin, ready=ready, live=self.liveness.reason)
+        registry.register(admin)
         admin.start()
         self._cleanup.callback(admin.stop)
         return admin.address
