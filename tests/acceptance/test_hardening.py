@@ -23,6 +23,7 @@ from thriftpy2.transport import TMemoryBuffer, TTransportException
 
 from tests.support.cgroups import pids_limit_unavailable, thread_limit
 from tests.support.endpoints import Endpoints, encode_call
+from tests.support.fuzzing import ANSWER_BOUND_S, RequestFuzz
 from tests.support.processes import (
     DATA,
     FakeTime,
@@ -408,3 +409,22 @@ def test_a_server_out_of_threads_serves_answers_its_probes_and_stops(tmp_path: P
     finally:
         server.stop()
 
+
+@pytest.mark.slow  # 300 fuzzed inputs on each transport; make soak runs a minute of them
+@pytest.mark.parametrize("transport", ["framed", "buffered"])
+def test_fuzzed_requests_are_answered_or_closed_and_others_are_served(
+    transport: Transport,
+) -> None:
+    server = start_server(transport=transport)
+    try:
+        fuzz = RequestFuzz(server)
+        fuzz.run(30)  # warm up before measuring memory
+        before = rss_kib(server)
+        fuzz.run(300)
+        assert fuzz.sent >= 300 and fuzz.replies > 0 and fuzz.silent_closes > 0
+        assert fuzz.slowest_s < ANSWER_BOUND_S
+        grown = rss_kib(server) - before
+        assert grown < 20_000, f"memory grew {grown:,} KiB over 300 fuzzed requests"
+        assert server.raw_client().get_id("after-the-fuzz") > 0
+    finally:
+        assert server.stop() == 0
