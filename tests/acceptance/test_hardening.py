@@ -22,7 +22,7 @@ from thriftpy2.thrift import TApplicationException, TMessageType
 from thriftpy2.transport import TMemoryBuffer, TTransportException
 
 from tests.support.cgroups import pids_limit_unavailable, thread_limit
-from tests.support.endpoints import Endpoints, encode_call
+from tests.support.endpoints import Endpoints, encode_call, read_to_close
 from tests.support.fuzzing import ANSWER_BOUND_S, RequestFuzz
 from tests.support.processes import (
     DATA,
@@ -258,13 +258,7 @@ def _exchange(server: Endpoints, chunks: Iterator[bytes] | list[bytes]) -> bytes
             raw.shutdown(socket.SHUT_WR)
         except OSError:
             pass  # it stopped reading and closed: its answer is already on its way
-        answer = b""
-        try:
-            while chunk := raw.recv(65536):
-                answer += chunk
-        except ConnectionResetError:
-            pass
-        return answer
+        return read_to_close(raw)
 
 
 def _application_error(reply: bytes, framed: bool) -> TApplicationException:

@@ -22,6 +22,7 @@ from snowflake_server._thrift.scanner import (
     MessageScanner,
     TooLarge,
 )
+from tests.support.endpoints import BytesReader
 
 _IDL = """
 struct Inner { 1: i64 a, 2: string b, 3: list<i32> c }
@@ -108,7 +109,7 @@ def test_what_the_scanner_accepts_thriftpy2_reads_to_the_same_byte(
         return
     if length is None:
         return
-    reader = _Counting(bytes(encoded))
+    reader = BytesReader(bytes(encoded))
     # Strings as bytes: a changed byte may leave a string that is not UTF-8.
     protocol: Any = TBinaryProtocol(reader, decode_response=False)  # type: ignore[no-untyped-call]
     try:
@@ -117,21 +118,6 @@ def test_what_the_scanner_accepts_thriftpy2_reads_to_the_same_byte(
         return  # a method name that is not UTF-8: thriftpy2 refuses what the scanner passed
     protocol.skip(TType.STRUCT)
     assert reader.position == length
-
-
-class _Counting:
-    """A transport for thriftpy2's pure-Python protocol that counts what it read."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.position = 0
-
-    def read(self, n: int) -> bytes:
-        chunk = self.data[self.position : self.position + n]
-        if len(chunk) < n:
-            raise EOFError
-        self.position += n
-        return chunk
 
 
 def test_a_huge_container_is_refused_from_its_header() -> None:

@@ -285,10 +285,13 @@ def test_a_stop_asked_before_the_loop_runs_keeps_its_delay() -> None:
         server.close()
 
 
+def _alive(prefix: str) -> int:
+    return sum(t.name.startswith(prefix) for t in threading.enumerate())
+
+
 def test_the_wait_threads_start_up_front_and_run_cancel_or_refuse_calls() -> None:
-    before = threading.active_count()
-    pool = WaitThreads(2, "test-wait")
-    assert threading.active_count() == before + 2  # none is started when a call comes
+    pool = WaitThreads(2, "test-wait-up-front")
+    assert _alive("test-wait-up-front") == 2  # none is started when a call comes
     release = threading.Event()
     holding = [pool.submit(release.wait, 10) for _ in range(2)]  # both threads busy
     cancelled, queued = pool.submit(int, "1"), pool.submit(int, "x")
@@ -307,7 +310,7 @@ def test_the_wait_threads_start_up_front_and_run_cancel_or_refuse_calls() -> Non
         pool.submit(int, "3")
     release.set()
     pool.shutdown()  # again: nothing more
-    wait_until(lambda: threading.active_count() == before, "the wait threads ended", 10)
+    wait_until(lambda: _alive("test-wait-up-front") == 0, "the wait threads ended", 10)
 
 
 def test_wait_threads_that_cannot_all_start_stop_those_that_did(
@@ -315,7 +318,6 @@ def test_wait_threads_that_cannot_all_start_stop_those_that_did(
 ) -> None:
     # The one place a thread start is made to fail by hand: the black-box test in
     # tests/acceptance/test_hardening.py runs the server under a real pids limit.
-    before = threading.active_count()
     start = threading.Thread.start
     started: list[threading.Thread] = []
 
@@ -327,6 +329,6 @@ def test_wait_threads_that_cannot_all_start_stop_those_that_did(
 
     monkeypatch.setattr(threading.Thread, "start", start_once)
     with pytest.raises(RuntimeError, match="can't start new thread"):
-        WaitThreads(3, "test-wait")
+        WaitThreads(3, "test-wait-not-all")
     started[0].join(10)
-    assert not started[0].is_alive() and threading.active_count() == before
+    assert not started[0].is_alive() and _alive("test-wait-not-all") == 0

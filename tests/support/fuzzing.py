@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from thriftpy2.protocol.binary import TBinaryProtocol
 from thriftpy2.thrift import TMessageType, TType
 
-from tests.support.endpoints import Endpoints, encode_call
+from tests.support.endpoints import BytesReader, Endpoints, encode_call
 
 __all__ = ["ANSWER_BOUND_S", "RequestFuzz", "requests"]
 
@@ -207,7 +207,7 @@ class RequestFuzz:
     def _whole_replies(self, answer: bytes, reset: bool) -> int:
         """How many replies ``answer`` holds; each must be a whole REPLY or EXCEPTION
         message (a reset may cut the last one short)."""
-        reader = _Exact(answer)
+        reader = BytesReader(answer)
         protocol: Any = TBinaryProtocol(reader, decode_response=False)  # type: ignore[no-untyped-call]
         replies = 0
         while (at := reader.position) < len(answer):
@@ -230,19 +230,3 @@ class RequestFuzz:
                 assert reader.position - at == length, "a reply that does not fill its frame"
             replies += 1
         return replies
-
-
-class _Exact:
-    """A transport over fixed bytes for thriftpy2's pure-Python protocol: a read past
-    the end raises, rather than returning less."""
-
-    def __init__(self, data: bytes) -> None:
-        self._data = data
-        self.position = 0
-
-    def read(self, n: int) -> bytes:
-        chunk = self._data[self.position : self.position + n]
-        if len(chunk) < n:
-            raise EOFError(f"{n} bytes asked, {len(chunk)} left")
-        self.position += n
-        return chunk
