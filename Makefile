@@ -219,8 +219,8 @@ $(BENCH_BUILD)/anchor-go: bench/anchors/go/main.go bench/anchors/go/go.mod $(STU
 	cd bench/anchors/go && $(GO_OFFLINE) go build -modfile=$(abspath $(@D))/anchor-go.mod \
 	  -o $(abspath $@) .
 
-# A bounded minute of mixed load with faults (garbage, floods, restarts) on 127.0.0.1;
-# reports threads, file descriptors and memory at the start and the end.
+# A bounded minute of mixed load with faults (garbage, floods, restarts) on 127.0.0.1,
+# then a minute of fuzzed requests; reports threads, file descriptors and memory.
 soak: install
 	$(BIN)/python bench/soak.py
 

@@ -1,14 +1,19 @@
-"""Soak: a bounded minute of mixed load with faults, on 127.0.0.1 only.
+"""Soak: a bounded minute of mixed load with faults, then a minute of fuzzed
+requests, on 127.0.0.1 only.
 
-    make soak        # or: .venv/bin/python bench/soak.py --seconds 60
+    make soak        # or: .venv/bin/python bench/soak.py --seconds 60 --fuzz-seconds 60
 
 Server A runs the whole time under steady load while the faults land on it:
 garbage bytes, absurd frame lengths, connection floods past --max-connections,
 idle connections. Server B is restarted (SIGTERM, same state dir) every few
 seconds under load. The report gives A's threads, file descriptors and memory
 at the start and the end, B's duplicate count across its restarts, and an
-active client's p99 with 500 idle connections open. Exit status 1 if anything
-grew without bound, any id repeated, or the p99 bound was missed.
+active client's p99 with 500 idle connections open. Then the request decoder's
+fuzz target (tests/support/fuzzing.py, a few hundred inputs in the suite) runs
+against a framed and a buffered server until --fuzz-seconds have passed. Exit
+status 1 if anything grew without bound, any id repeated, the p99 bound was
+missed, or a fuzzed request was neither answered nor closed in time (or held up
+a well-behaved client).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.support.fuzzing import RequestFuzz
 from tests.support.processes import Load, ServerProcess, start_server
 
 MAX_CONNECTIONS = 600
@@ -90,10 +96,48 @@ def idle_p99(server: ServerProcess, idle: int = 500, calls: int = 5000) -> float
     return statistics.quantiles(latencies, n=100)[98] * 1000
 
 
+def fuzz(seconds: float) -> bool:
+    """Fuzzed requests on a server of each transport, in rounds, until ``seconds``
+    have passed; prints a table; whether every input was answered or closed in time
+    and memory stayed bounded."""
+    servers = [start_server(transport="framed"), start_server(transport="buffered")]
+    failure = ""
+    try:
+        fuzzers = [RequestFuzz(server) for server in servers]
+        for fuzzer in fuzzers:
+            fuzzer.run(30)  # warm up before the first reading
+        start = [resources(server) for server in servers]
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not failure:
+            for server, fuzzer in zip(servers, fuzzers, strict=True):
+                try:
+                    fuzzer.run(200)
+                except Exception as e:  # noqa: BLE001 - reported; hypothesis printed the input
+                    failure = f"{server.transport}: {e}"
+                    break
+        end = [resources(server) for server in servers]
+    finally:
+        for server in servers:
+            server.stop()
+    print(f"fuzzed requests for {seconds:.0f} s:")
+    print("| transport | inputs | replies | closed unanswered | slowest | RSS KiB start | end |")
+    print("|---|---|---|---|---|---|---|")
+    bounded = True
+    for server, fuzzer, before, after in zip(servers, fuzzers, start, end, strict=True):
+        bounded = bounded and after["rss_kib"] <= before["rss_kib"] + 30_000
+        print(f"| {server.transport} | {fuzzer.sent:,} | {fuzzer.replies:,} | "
+              f"{fuzzer.silent_closes:,} | {fuzzer.slowest_s * 1000:.0f} ms | "
+              f"{before['rss_kib']:,} | {after['rss_kib']:,} |")  # fmt: skip
+    if failure:
+        print(f"FAILED: {failure}")
+    return bounded and not failure
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--restart-every", type=float, default=8.0)
+    parser.add_argument("--fuzz-seconds", type=float, default=60.0)
     args = parser.parse_args()
     rng = random.Random(1)
     state = Path(tempfile.mkdtemp(prefix="snowflake-soak-"))
@@ -144,7 +188,8 @@ def main() -> int:
     print(f"active client p99 with 500 idle connections: {p99:.3f} ms "
           f"({'PASS' if p99 < 5 else 'MISS'}: < 5 ms)")  # fmt: skip
     ok = all(checks.values()) and duplicates == 0 and p99 < 5 and rounds > 0
-    return 0 if ok else 1
+    fuzzed = fuzz(args.fuzz_seconds)
+    return 0 if ok and fuzzed else 1
 
 
 if __name__ == "__main__":

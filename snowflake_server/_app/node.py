@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import signal
 import ssl
 import threading
@@ -247,6 +248,7 @@ class Node:
         # The collectors list is read at each scrape: the cluster's joins it later.
         registry = metrics.registry(_Each(mode.collectors), self.readiness)
         admin = AdminServer(registry, self.settings.admin, ready=ready, live=self.liveness.reason)
+        registry.register(admin)
         admin.start()
         self._cleanup.callback(admin.stop)
         return admin.address
@@ -305,17 +307,36 @@ class _Each(Collector):
             yield from collector.collect()
 
 
+_signalled: queue.SimpleQueue[tuple[Callable[[str], None], str]] = queue.SimpleQueue()
+_signal_thread: list[threading.Thread] = []
+
+
 def on_signal(signum: signal.Signals, action: Callable[[str], None]) -> None:
-    """Run ``action(signal name)`` on a thread of its own each time ``signum`` arrives.
+    """Run ``action(signal name)`` each time ``signum`` arrives, on the process's one
+    signal thread (started by the first call), in the order the signals came.
 
     Never in the handler itself: the handler interrupts the main thread anywhere, maybe
-    holding a lock (logging's, the readiness phase's) that the action needs."""
+    holding a lock (logging's, the readiness phase's) that the action needs. Nor on a
+    thread started by the handler: on a host out of threads that start raised in
+    whatever the main thread was running (a client's call) and the SIGTERM was lost."""
+    if not _signal_thread:
+        thread = threading.Thread(target=_act_on_signals, name="signals", daemon=True)
+        thread.start()
+        _signal_thread.append(thread)
 
     def handler(received: int, _frame: object) -> None:
-        name = signal.Signals(received).name
-        threading.Thread(target=action, args=(name,), name=name.lower(), daemon=True).start()
+        _signalled.put((action, signal.Signals(received).name))  # reentrant: safe here
 
     signal.signal(signum, handler)
+
+
+def _act_on_signals() -> None:
+    while True:
+        action, name = _signalled.get()
+        try:
+            action(name)
+        except Exception:  # logged: the next signal must still be acted on
+            log.exception("acting on %s failed", name)
 
 
 def serve(

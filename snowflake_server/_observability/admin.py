@@ -4,22 +4,36 @@
 ``/metrics`` is prometheus_client's own WSGI app, so content negotiation
 (OpenMetrics for a scraper that asks for it), gzip and ``name[]`` filters are
 the library's; this module only routes the probes beside it. It runs on its
-own port (9990 by default, like the original's admin port) in its own threads,
+own port (9990 by default, like the original's admin port) and its own thread,
 so a slow scrape never delays an id.
+
+That one thread runs an event loop serving every admin connection; no thread
+is started per request. A thread per request (socketserver's) failed every
+request with "can't start new thread" once the host's thread limit was
+reached, and a slow-loris of open connections reached it. Each connection
+gets one request, answered and closed within ``request_timeout`` seconds; at
+most ``max_connections`` are open, the oldest still sending its request making
+room for a new one (a flood of silent connections cannot starve a probe).
+Connections closed unanswered are counted.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import io
 import json
 import logging
+import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable
-from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import Any, cast
+from urllib.parse import unquote
 
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import make_wsgi_app
-from prometheus_client.registry import CollectorRegistry
+from prometheus_client.registry import Collector, CollectorRegistry
 from snowflake_thrift_client._transports import address_family
 
 from .._config.settings import AdminSettings
@@ -36,51 +50,150 @@ Live = Callable[[], str | None]
 
 _JSON = "application/json"
 _ROUTES = "/metrics, /livez, /readyz, /health"
+_MAX_CONNECTIONS = 64
+_REQUEST_TIMEOUT_S = 10.0
+_MAX_HEAD = 8192  # a request line and headers; a scrape's are a few hundred bytes
+_END = b"\r\n\r\n"
+_STOP_WAIT_S = 5.0
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _Handler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        log.debug("admin %s " + format, self.client_address[0], *args)
-
-
-class AdminServer:
+class AdminServer(Collector):
     """Serves the admin endpoint as ``settings`` say, in a background thread.
 
-    Raises ``ConfigurationError`` if the address cannot be used.
+    As a collector it reports the connections it closed unanswered (register it
+    where they should be exported). Raises ``ConfigurationError`` if the address
+    cannot be used.
     """
 
     def __init__(
-        self, registry: CollectorRegistry, settings: AdminSettings, *, ready: Ready, live: Live
+        self,
+        registry: CollectorRegistry,
+        settings: AdminSettings,
+        *,
+        ready: Ready,
+        live: Live,
+        max_connections: int = _MAX_CONNECTIONS,
+        request_timeout: float = _REQUEST_TIMEOUT_S,
     ) -> None:
         self._metrics = make_wsgi_app(registry)
         self._ready = ready
         self._live = live
+        self.max_connections = max_connections
+        self.request_timeout = request_timeout
+        self.closed_full = 0  # closed to make room, or refused: max_connections were open
+        self.closed_slow = 0  # no whole request, or its answer not taken, in time
+        self.open: dict[_AdminConnection, None] = {}  # oldest first; loop thread only
         host, port = settings.host, settings.port
-        server_cls = type("_AdminServer", (_Server,), {"address_family": address_family(host)})
+        sock = socket.socket(address_family(host), socket.SOCK_STREAM)
         try:
-            self._httpd: WSGIServer = make_server(host, port, self._app, server_cls, _Handler)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(128)
         except OSError as e:
+            sock.close()
             raise ConfigurationError(f"cannot listen on {host}:{port}: {e}") from None
-        # A short poll so that stop() returns quickly at shutdown.
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, args=(0.05,), name="admin-http", daemon=True
-        )
+        self._sock = sock
+        self._loop = asyncio.new_event_loop()
+        self._stopping = asyncio.Event()  # set on the loop's thread
+        self._thread = threading.Thread(target=self._run, name="admin-http", daemon=True)
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self._httpd.server_address[:2]
+        host, port = self._sock.getsockname()[:2]
         return str(host), int(port)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        if self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # the loop already stopped
+                self._loop.call_soon_threadsafe(self._stopping.set)
+            self._thread.join(_STOP_WAIT_S)
+        else:
+            self._sock.close()
+            self._loop.close()
+
+    def collect(self) -> Iterable[Metric]:
+        closed = CounterMetricFamily(
+            "snowflake_admin_connections_rejected",
+            "Admin endpoint connections closed unanswered: full (the most allowed were "
+            "open), or slow (no whole request, or its answer not taken, in time).",
+            labels=["reason"],
+        )
+        closed.add_metric(["full"], self.closed_full)
+        closed.add_metric(["slow"], self.closed_slow)
+        yield closed
+
+    def _run(self) -> None:
+        try:
+            self._loop.run_until_complete(self._serve())
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: _AdminConnection(self), sock=self._sock)
+        try:
+            await self._stopping.wait()
+        finally:
+            server.close()
+            for connection in list(self.open):
+                connection.abort()
+            await server.wait_closed()
+
+    def admit(self, connection: _AdminConnection) -> bool:
+        """Whether ``connection`` is served: room is made by closing the oldest one
+        still sending its request; with none, it is closed (counted either way)."""
+        if len(self.open) >= self.max_connections:
+            self.closed_full += 1
+            oldest = next((c for c in self.open if c.waiting), None)
+            if oldest is None:
+                return False
+            oldest.abort()
+        self.open[connection] = None
+        return True
+
+    def respond(self, head: bytes) -> bytes:
+        """The whole response to the request whose line and headers are ``head``."""
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return _response("400 Bad Request", [("Content-Type", "text/plain")], b"bad request\n")
+        method, target, version = parts
+        path, _, query = target.partition("?")
+        environ: dict[str, Any] = {
+            "REQUEST_METHOD": method,
+            "SCRIPT_NAME": "",
+            "PATH_INFO": unquote(path),
+            "QUERY_STRING": query,
+            "SERVER_NAME": self.address[0],
+            "SERVER_PORT": str(self.address[1]),
+            "SERVER_PROTOCOL": version,
+            "wsgi.version": (1, 0),
+            "wsgi.url_scheme": "http",
+            "wsgi.input": io.BytesIO(),
+            "wsgi.errors": sys.stderr,
+            "wsgi.multithread": False,
+            "wsgi.multiprocess": False,
+            "wsgi.run_once": False,
+        }
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            key = "HTTP_" + name.strip().upper().replace("-", "_")
+            environ.setdefault(key, value.strip())
+        started: list[tuple[str, list[tuple[str, str]]]] = []
+
+        def start_response(status: str, headers: list[tuple[str, str]], *_: object) -> None:
+            started.append((status, headers))
+
+        try:
+            body = b"".join(self._app(environ, start_response))
+        except Exception:
+            log.exception("admin %s %s failed", method, path)
+            return _response("500 Internal Server Error", [("Content-Type", "text/plain")], b"")
+        status, headers = started[-1]
+        return _response(status, headers, body)
 
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
@@ -105,6 +218,72 @@ class AdminServer:
             )
         return _send(start_response, "404 Not Found", "text/plain; charset=utf-8",
                      f"try {_ROUTES}\n".encode())  # fmt: skip
+
+
+class _AdminConnection(asyncio.Protocol):
+    """One admin request: its head read (within the time limit), answered, closed."""
+
+    def __init__(self, server: AdminServer) -> None:
+        self._server = server
+        self._buf = bytearray()
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.waiting = True  # its request is not all here yet
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        if not self._server.admit(self):
+            self._transport.abort()
+            return
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self._server.request_timeout, self._expired)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.waiting:
+            return  # answered: what else it sends is not read
+        self._buf += data
+        end = self._buf.find(_END)
+        if end < 0 and len(self._buf) <= _MAX_HEAD:
+            return
+        self.waiting = False
+        assert self._transport is not None
+        if end < 0:
+            head = b""
+            reply = _response(
+                "431 Request Header Fields Too Large", [("Content-Type", "text/plain")], b""
+            )
+        else:
+            head = bytes(self._buf[:end])
+            reply = self._server.respond(head)
+        self._buf.clear()
+        self._transport.write(reply)
+        self._transport.close()  # once the answer is sent; the timer still bounds that
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._server.open.pop(self, None)
+
+    def _expired(self) -> None:
+        self._server.closed_slow += 1
+        log.debug("admin: closing a connection with no answer taken within %g s",
+                  self._server.request_timeout)  # fmt: skip
+        self.abort()
+
+    def abort(self) -> None:
+        self.waiting = False
+        self._server.open.pop(self, None)  # now: its connection_lost comes a turn later
+        if self._transport is not None:
+            self._transport.abort()
+
+
+def _response(status: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
+    names = {name.lower() for name, _ in headers}
+    lines = [f"HTTP/1.1 {status}", *(f"{name}: {value}" for name, value in headers)]
+    if "content-length" not in names:
+        lines.append(f"Content-Length: {len(body)}")
+    lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 def _send(

@@ -67,12 +67,19 @@ class Shared:
 class Refused(Exception):
     """A request the connection cannot serve: reply with an error, then close.
     ``kind`` is what the metrics count it as; ``status`` the HTTP status, for the
-    HTTP connection's answer."""
+    HTTP connection's answer; ``app_error`` the Thrift application error's type."""
 
-    def __init__(self, kind: str, message: str, status: int = 400) -> None:
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        status: int = 400,
+        app_error: int = TApplicationException.PROTOCOL_ERROR,
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.status = status
+        self.app_error = app_error
 
 
 class Connection(asyncio.Protocol):
@@ -211,11 +218,7 @@ class Connection(asyncio.Protocol):
                 try:
                     reply = self._reply(request)
                 except WouldBlock:
-                    self._busy = True
-                    future = self._shared.loop.run_in_executor(
-                        self._shared.executor, self._reply, request
-                    )
-                    future.add_done_callback(self._after_thread)
+                    self._to_thread(request)
                     break
                 self._write(reply)
         except Refused as e:
@@ -272,6 +275,7 @@ class Connection(asyncio.Protocol):
         try:
             length = MessageScanner(self._limit).feed(message, 0)
         except (Malformed, TooLarge) as e:
+            # Anything announced past the frame is malformed: a call never spans frames.
             raise Refused("protocol_error", f"undecodable request: {e}") from None
         if length is None:
             raise Refused("protocol_error", "undecodable request: the frame ends inside its call")
@@ -290,6 +294,21 @@ class Connection(asyncio.Protocol):
             raise
         except Exception as e:  # noqa: BLE001 - bytes thriftpy2 cannot decode: refuse this client only
             raise Refused("protocol_error", f"undecodable request: {e!r}") from None
+
+    def _to_thread(self, request: bytes) -> None:
+        """Make the call again on a worker thread; this connection waits for it."""
+        shared = self._shared
+        try:
+            future = shared.loop.run_in_executor(shared.executor, self._reply, request)
+        except RuntimeError as e:
+            # No thread takes it (the pool is shut down, or none could be started): this
+            # client is told and closed; the loop and every other connection go on.
+            raise Refused(
+                "unavailable", f"no thread to run this call on: {e}", 503,
+                TApplicationException.INTERNAL_ERROR,
+            ) from None  # fmt: skip
+        self._busy = True
+        future.add_done_callback(self._after_thread)
 
     def _after_thread(self, future: asyncio.Future[bytes]) -> None:
         self._busy = False
@@ -336,8 +355,7 @@ class Connection(asyncio.Protocol):
         assert self._stats is not None
         self._stats.count_exception(error.kind)
         log.info("closing connection from %s: %s", self._peer, error)
-        kind = TApplicationException.PROTOCOL_ERROR
-        reply = encode_error(kind, str(error))
+        reply = encode_error(error.app_error, str(error))
         self._write(frame(reply) if self._framed else reply)
         self._close()
 

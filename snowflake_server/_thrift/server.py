@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import queue
 import resource
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
+from typing import ParamSpec, TypeVar
 
 from snowflake_thrift_client._transports import address_family
 
@@ -39,7 +42,7 @@ from .._observability.metrics import ConnectionStats, ServiceMetrics
 from .connection import Connection, Shared
 from .handler import Processor
 
-__all__ = ["ThriftServer", "listen_socket", "new_event_loop"]
+__all__ = ["ThriftServer", "WaitThreads", "listen_socket", "new_event_loop"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,9 @@ _WAIT_THREADS = 4  # calls that must wait (clock stepped back, reservation) run 
 _SPARE_FDS = 64  # files besides client connections: listener, logs, state, ZooKeeper
 _AFTER_ABORT_S = 1.0
 _BEAT_EVERY_S = 1.0
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 def listen_socket(
@@ -100,6 +106,66 @@ def _fit_open_files(connections: int) -> None:
         )  # fmt: skip
 
 
+class WaitThreads(Executor):
+    """``count`` threads for the calls that must wait, all started when it is made.
+
+    ThreadPoolExecutor starts its threads when calls arrive: on a host out of
+    threads (a container's ``pids.max`` reached) that start failed inside the
+    loop's callback, and the client was dropped unanswered with its slot never
+    given back. These are started while the server starts, and never again.
+    """
+
+    def __init__(self, count: int, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[object], Callable[[], object]] | None]
+        self._calls = queue.SimpleQueue()
+        self._shut = False
+        self._threads: list[threading.Thread] = []
+        try:
+            for i in range(count):
+                # Daemons: a server never closed must not hold the interpreter's exit
+                # (a call that holds the generator's lock still ends before its seal).
+                thread = threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
+        if self._shut:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        future: Future[_T] = Future()
+        self._calls.put((future, functools.partial(fn, *args, **kwargs)))  # type: ignore[arg-type]
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if self._shut:
+            return
+        self._shut = True
+        while cancel_futures:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call[0].cancel()
+        for _ in self._threads:
+            self._calls.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, run = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(run())
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(e)
+
+
 class ThriftServer:
     """Serves Thrift calls as ``settings`` say until :meth:`request_shutdown`.
 
@@ -135,6 +201,7 @@ class ThriftServer:
         self._shared: Shared | None = None
         self._beat_handle: asyncio.TimerHandle | None = None
         self._last_reject_log = float("-inf")
+        self._waits: WaitThreads | None = None
 
     def bind(self) -> tuple[str, int]:
         """Bind, not yet listening (a connection attempt is refused until :meth:`listen`);
@@ -179,6 +246,8 @@ class ThriftServer:
                 # Another socket bound the port while neither listened (SO_REUSEADDR
                 # allows that) and listened first: a port in use, found only now.
                 raise ConfigurationError(f"cannot listen on {host}:{port}: {e}") from None
+        if self._waits is None:
+            self._waits = WaitThreads(_WAIT_THREADS, "snowflake-wait")
         self._listening = True
 
     def set_tls(self, tls: ssl.SSLContext) -> None:
@@ -220,10 +289,13 @@ class ThriftServer:
             self.close()
 
     def close(self) -> None:
-        """Release the listening sockets; for a server that never served, or after serving."""
+        """Release the listening sockets and the wait threads; for a server that never
+        served, or after serving."""
         for listener in (self._listener, self._http_listener):
             if listener is not None:
                 listener.close()
+        if self._waits is not None:
+            self._waits.shutdown(wait=False, cancel_futures=True)
 
     async def _serve(
         self, loop: asyncio.AbstractEventLoop, listener: socket.socket, grace_s: float
@@ -238,7 +310,8 @@ class ThriftServer:
         self, loop: asyncio.AbstractEventLoop, listener: socket.socket, grace_s: float
     ) -> None:
         settings = self._settings
-        executor = ThreadPoolExecutor(_WAIT_THREADS, thread_name_prefix="snowflake-wait")
+        executor = self._waits
+        assert executor is not None  # started by listen()
         all_closed = asyncio.Event()
         shared = Shared(
             loop=loop,

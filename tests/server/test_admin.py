@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+import socket
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -13,7 +15,11 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from snowflake_server._config.settings import AdminSettings
 from snowflake_server._errors import ConfigurationError
+from snowflake_server._observability import admin as admin_module
 from snowflake_server._observability.admin import AdminServer
+from tests.support.endpoints import read_to_close
+from tests.support.processes import parse_metrics
+from tests.support.waiting import wait_until
 
 
 class _Calls(Collector):
@@ -113,3 +119,91 @@ def test_a_port_in_use_is_a_configuration_error(admin: tuple[AdminServer, _State
             CollectorRegistry(), AdminSettings(host, port, 10), ready=lambda: (None, {}),
             live=lambda: None,
         )  # fmt: skip
+
+
+def _server(**kwargs: float) -> AdminServer:
+    registry = CollectorRegistry(auto_describe=False)
+    server = AdminServer(
+        registry, AdminSettings("127.0.0.1", 0, 10), ready=lambda: (None, {}),
+        live=lambda: None, **kwargs,  # type: ignore[arg-type]
+    )  # fmt: skip
+    registry.register(server)
+    return server
+
+
+def _closed(conn: socket.socket) -> bool:
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _exchange(server: AdminServer, data: bytes) -> bytes:
+    """Send ``data``; all the server answers before it closes (or resets) the connection."""
+    with socket.create_connection(server.address, timeout=5) as conn:
+        conn.sendall(data)
+        return read_to_close(conn)
+
+
+def test_a_slow_loris_neither_starves_the_probes_nor_starts_threads() -> None:
+    server = _server(max_connections=8)
+    server.start()
+    threads = set(threading.enumerate())
+    loris: list[socket.socket] = []
+    try:
+        for _ in range(50):
+            conn = socket.create_connection(server.address, timeout=5)
+            conn.sendall(b"GET /livez HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never ends its head
+            loris.append(conn)
+        assert request(server, "/livez")[0] == 200
+        # No thread per connection: a host out of threads could not refuse one.
+        assert set(threading.enumerate()) <= threads
+        # Each newcomer past 8 made room by closing the oldest one still sending.
+        assert server.closed_full == 50 + 1 - 8
+        assert _closed(loris[0])
+        counts = parse_metrics(request(server, "/metrics")[2].decode())
+        assert counts['snowflake_admin_connections_rejected_total{reason="full"}'] == 43
+    finally:
+        for conn in loris:
+            conn.close()
+        server.stop()
+
+
+def test_a_request_not_sent_in_time_is_closed_and_counted() -> None:
+    server = _server(request_timeout=0.2)
+    server.start()
+    try:
+        assert _exchange(server, b"GET /livez HTTP/1.1\r\n") == b""  # closed unanswered
+        wait_until(lambda: server.closed_slow == 1, "the slow connection counted", 5)
+        counts = parse_metrics(request(server, "/metrics")[2].decode())
+        assert counts['snowflake_admin_connections_rejected_total{reason="slow"}'] == 1
+    finally:
+        server.stop()
+
+
+def test_requests_that_cannot_be_answered_are_told_why(
+    admin: tuple[AdminServer, _State], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, _ = admin
+    assert _exchange(server, b"NONSENSE\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    huge = b"GET /livez HTTP/1.1\r\nX: " + b"x" * 9000
+    assert _exchange(server, huge).startswith(b"HTTP/1.1 431 ")
+
+    def broken() -> tuple[str | None, dict[str, object]]:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server, "_ready", broken)
+    assert request(server, "/readyz")[0] == 500
+    assert request(server, "/livez")[0] == 200  # the next request is served as ever
+
+
+def test_with_every_connection_being_answered_a_newcomer_is_closed() -> None:
+    server = _server(max_connections=1)  # never started: admissions called by hand
+    try:
+        answering = admin_module._AdminConnection(server)
+        answering.waiting = False
+        server.open[answering] = None
+        assert not server.admit(admin_module._AdminConnection(server))
+        assert server.closed_full == 1
+    finally:
+        server.stop()

@@ -29,11 +29,12 @@ from thriftpy2.thrift import TApplicationException, TMessageType
 
 from snowflake_server import GeneratorSettings, IdGenerator, ServerSettings, decompose
 from snowflake_server._ids.clocks import wall_clock_ms
-from snowflake_server._observability.metrics import ServiceMetrics
+from snowflake_server._ids.generator import forbid_waiting
+from snowflake_server._observability.metrics import NO_METHOD, ServiceMetrics
 from snowflake_server._thrift import connection
 from snowflake_server._thrift.connection import Shared
 from snowflake_server._thrift.handler import Processor, SnowflakeHandler, service_methods
-from snowflake_server._thrift.server import new_event_loop
+from snowflake_server._thrift.server import WaitThreads, new_event_loop
 from tests.support.endpoints import encode_call
 from tests.support.fakes import FakeTransport
 from tests.support.inprocess import InProcessServer
@@ -345,9 +346,17 @@ def test_an_idle_client_that_never_reads_its_replies_is_cut_off(tmp_path: Path) 
 class _Driven:
     """A Connection on a fake transport, its loop never run: events are called by hand."""
 
-    def __init__(self, tmp_path: Path, *, framed: bool = True, idle: float = 0.0) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        *,
+        framed: bool = True,
+        idle: float = 0.0,
+        generator: IdGenerator | None = None,
+    ) -> None:
         self.loop = new_event_loop()
-        generator = IdGenerator(GeneratorSettings())
+        if generator is None:
+            generator = IdGenerator(GeneratorSettings())
         metrics = ServiceMetrics(generator, service_methods(), max_agents=8)
         self.metrics = metrics
         self.shared = Shared(
@@ -531,3 +540,29 @@ def test_a_call_still_waiting_past_the_grace_is_cut_off_and_issues_nothing_after
     (state,) = tmp_path.glob("worker-*.json")
     assert json.loads(state.read_text())["high_water_mark_ms"] >= newest_ms
     assert newest_ms >= decompose(first).timestamp_ms
+
+
+def test_a_call_that_must_wait_with_no_thread_to_run_on_is_refused_and_counted(
+    tmp_path: Path,
+) -> None:
+    now = [wall_clock_ms()]
+    generator = IdGenerator(GeneratorSettings(max_backwards_ms=1000), clock=lambda: now[0])
+    made = _Driven(tmp_path, generator=generator)
+    pool = WaitThreads(1, "test-wait")
+    pool.shutdown()  # it takes no call, as when no thread can be had
+    made.shared.executor = pool
+    forbid_waiting()  # this thread plays the loop's
+    try:
+        made.connection.data_received(call_bytes("get_id", 1, framed=True))
+        now[0] -= 100  # the next id must wait out 100 ms: on a thread, which there is not
+        made.connection.data_received(call_bytes("get_id", 2, framed=True))
+        served, refused = made.replies()
+        assert served[:3] == ("get_id", TMessageType.REPLY, 1)
+        assert refused[1] == TMessageType.EXCEPTION
+        assert refused[3].type == TApplicationException.INTERNAL_ERROR
+        assert "no thread to run this call on" in refused[3].message
+        assert made.transport.closed
+        assert made.metrics.totals().exceptions == {("unavailable", NO_METHOD): 1}
+    finally:
+        forbid_waiting(False)
+        made.close()

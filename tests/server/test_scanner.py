@@ -15,7 +15,14 @@ from thriftpy2.protocol.binary import TBinaryProtocol
 from thriftpy2.thrift import TType
 from thriftpy2.transport import TMemoryBuffer
 
-from snowflake_server._thrift.scanner import MAX_DEPTH, Malformed, MessageScanner, TooLarge
+from snowflake_server._thrift.scanner import (
+    MAX_DEPTH,
+    MAX_VALUES,
+    Malformed,
+    MessageScanner,
+    TooLarge,
+)
+from tests.support.endpoints import BytesReader
 
 _IDL = """
 struct Inner { 1: i64 a, 2: string b, 3: list<i32> c }
@@ -102,7 +109,7 @@ def test_what_the_scanner_accepts_thriftpy2_reads_to_the_same_byte(
         return
     if length is None:
         return
-    reader = _Counting(bytes(encoded))
+    reader = BytesReader(bytes(encoded))
     # Strings as bytes: a changed byte may leave a string that is not UTF-8.
     protocol: Any = TBinaryProtocol(reader, decode_response=False)  # type: ignore[no-untyped-call]
     try:
@@ -111,21 +118,6 @@ def test_what_the_scanner_accepts_thriftpy2_reads_to_the_same_byte(
         return  # a method name that is not UTF-8: thriftpy2 refuses what the scanner passed
     protocol.skip(TType.STRUCT)
     assert reader.position == length
-
-
-class _Counting:
-    """A transport for thriftpy2's pure-Python protocol that counts what it read."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.position = 0
-
-    def read(self, n: int) -> bytes:
-        chunk = self.data[self.position : self.position + n]
-        if len(chunk) < n:
-            raise EOFError
-        self.position += n
-        return chunk
 
 
 def test_a_huge_container_is_refused_from_its_header() -> None:
@@ -154,6 +146,29 @@ def test_nesting_is_bounded() -> None:
     lists = head + b"\x0f\x00\x01\x0f\x00\x00\x00\x01" + b"\x0f\x00\x00\x00\x01" * MAX_DEPTH
     with pytest.raises(Malformed, match="nested deeper"):
         MessageScanner(65536).feed(lists, 0)
+
+
+@pytest.mark.parametrize("depth", [0, MAX_DEPTH - 3])
+def test_the_values_walked_one_by_one_are_bounded_per_message(depth: int) -> None:
+    head = struct.pack(">iI", -2147418111, 6) + b"get_id" + struct.pack(">i", 1)
+    nest = b"\x0c\x00\x02" * depth  # structs in structs around the list (each a value)
+    end = b"\x00" * (depth + 1)
+
+    def empty_structs(n: int, announced: int | None = None) -> bytes:
+        count = struct.pack(">i", n if announced is None else announced)
+        return head + nest + b"\x0f\x00\x02\x0c" + count + b"\x00" * n
+
+    most = MAX_VALUES - 1 - depth  # the list and the structs around it are values too
+    whole = empty_structs(most) + end
+    assert MessageScanner(65536).feed(whole, 0) == len(whole)
+    # 64 KiB of empty structs: each a step for the scanner and for thriftpy2's decoder.
+    # Refused at the first value past the bound, before the rest of the message arrives.
+    bomb = empty_structs(most + 1, announced=60_000)
+    with pytest.raises(Malformed, match=f"more than {MAX_VALUES} values"):
+        MessageScanner(65536).feed(bomb, 0)
+    # A list of fixed-size elements is one value, skipped in one step.
+    longs = head + b"\x0f\x00\x02\x0a" + struct.pack(">i", 5000) + bytes(40_000) + b"\x00"
+    assert MessageScanner(65536).feed(longs, 0) == len(longs)
 
 
 def test_a_message_trickled_a_byte_at_a_time_is_walked_once() -> None:

@@ -18,7 +18,7 @@ from thriftpy2.transport import TTransportException
 
 from snowflake_server import ConfigurationError, ServerSettings, decompose
 from snowflake_server._ids.clocks import wall_clock_ms
-from snowflake_server._thrift.server import ThriftServer
+from snowflake_server._thrift.server import ThriftServer, WaitThreads
 from tests.support.endpoints import encode_call
 from tests.support.fakes import FakeClock
 from tests.support.inprocess import InProcessServer
@@ -283,3 +283,52 @@ def test_a_stop_asked_before_the_loop_runs_keeps_its_delay() -> None:
         assert time.monotonic() - started >= 0.3
     finally:
         server.close()
+
+
+def _alive(prefix: str) -> int:
+    return sum(t.name.startswith(prefix) for t in threading.enumerate())
+
+
+def test_the_wait_threads_start_up_front_and_run_cancel_or_refuse_calls() -> None:
+    pool = WaitThreads(2, "test-wait-up-front")
+    assert _alive("test-wait-up-front") == 2  # none is started when a call comes
+    release = threading.Event()
+    holding = [pool.submit(release.wait, 10) for _ in range(2)]  # both threads busy
+    cancelled, queued = pool.submit(int, "1"), pool.submit(int, "x")
+    assert cancelled.cancel()
+    release.set()
+    assert [f.result(10) for f in holding] == [True, True]
+    with pytest.raises(ValueError, match="invalid literal"):
+        queued.result(10)  # a call's error reaches whoever waits on it
+    assert not cancelled.running() and cancelled.cancelled()
+    release.clear()
+    holding = [pool.submit(release.wait, 10) for _ in range(2)]
+    left = pool.submit(int, "2")
+    pool.shutdown(wait=False, cancel_futures=True)
+    assert left.cancelled()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(int, "3")
+    release.set()
+    pool.shutdown()  # again: nothing more
+    wait_until(lambda: _alive("test-wait-up-front") == 0, "the wait threads ended", 10)
+
+
+def test_wait_threads_that_cannot_all_start_stop_those_that_did(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The one place a thread start is made to fail by hand: the black-box test in
+    # tests/acceptance/test_hardening.py runs the server under a real pids limit.
+    start = threading.Thread.start
+    started: list[threading.Thread] = []
+
+    def start_once(thread: threading.Thread) -> None:
+        if started:
+            raise RuntimeError("can't start new thread")
+        started.append(thread)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_once)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        WaitThreads(3, "test-wait-not-all")
+    started[0].join(10)
+    assert not started[0].is_alive() and _alive("test-wait-not-all") == 0

@@ -109,3 +109,31 @@ def tls_client(server: Endpoints, context: ssl.SSLContext) -> Any:
     client = TClient(snowflake_thrift().Snowflake, binary_protocol(server_socket(sock), "framed"))
     server._clients.append(client)  # closed when the server is stopped
     return client
+
+
+def read_to_close(sock: socket.socket) -> bytes:
+    """All ``sock`` receives until the peer closes it (a reset after its answer ends it
+    too: a server closing with a request still unread resets the connection)."""
+    answer = bytearray()
+    try:
+        while chunk := sock.recv(65536):
+            answer += chunk
+    except ConnectionResetError:
+        pass
+    return bytes(answer)
+
+
+class BytesReader:
+    """A transport over fixed bytes for thriftpy2's pure-Python protocol: ``position``
+    is how far it was read; a read past the end raises rather than returning less."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self.position = 0
+
+    def read(self, n: int) -> bytes:
+        chunk = self._data[self.position : self.position + n]
+        if len(chunk) < n:
+            raise EOFError(f"{n} bytes asked, {len(chunk)} left")
+        self.position += n
+        return chunk
