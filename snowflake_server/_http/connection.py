@@ -13,7 +13,7 @@ from __future__ import annotations
 from .._errors import WouldBlock
 from .._observability.metrics import NO_METHOD
 from .._thrift.connection import Connection, Refused, Shared
-from .api import MAX_HEAD_BYTES, MAX_HEADERS, BadRequest, HttpApi, error
+from .api import MAX_HEAD_BYTES, MAX_HEADERS, RETRY_AFTER_S, BadRequest, HttpApi, error
 
 __all__ = ["HttpConnection"]
 
@@ -100,5 +100,15 @@ class HttpConnection(Connection):
     def _refuse(self, error_: Refused) -> None:
         assert self._stats is not None
         self._stats.count_exception(error_.kind, NO_METHOD)
-        self._write(error(error_.status, "bad_request", str(error_), close=True))
+        # A call refused for want of a thread is the node's trouble, not the request's.
+        unavailable = error_.status == 503
+        self._write(
+            error(
+                error_.status,
+                "unavailable" if unavailable else "bad_request",
+                str(error_),
+                close=True,
+                headers=(("Retry-After", str(RETRY_AFTER_S)),) if unavailable else (),
+            )
+        )
         self._close()

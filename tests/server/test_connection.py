@@ -28,6 +28,7 @@ from thriftpy2.protocol.binary import TBinaryProtocol
 from thriftpy2.thrift import TApplicationException, TMessageType
 
 from snowflake_server import GeneratorSettings, IdGenerator, ServerSettings, decompose
+from snowflake_server._http.connection import HttpConnection
 from snowflake_server._ids.clocks import wall_clock_ms
 from snowflake_server._ids.generator import forbid_waiting
 from snowflake_server._observability.metrics import NO_METHOD, ServiceMetrics
@@ -353,6 +354,7 @@ class _Driven:
         framed: bool = True,
         idle: float = 0.0,
         generator: IdGenerator | None = None,
+        kind: type[connection.Connection] = connection.Connection,
     ) -> None:
         self.loop = new_event_loop()
         if generator is None:
@@ -373,7 +375,7 @@ class _Driven:
             admit=self._admit,
         )
         self.transport = FakeTransport()
-        self.connection = connection.Connection(self.shared)
+        self.connection = kind(self.shared)
         self.connection.connection_made(self.transport)  # type: ignore[arg-type]
 
     def _admit(self, conn: connection.Connection) -> bool:
@@ -563,6 +565,31 @@ def test_a_call_that_must_wait_with_no_thread_to_run_on_is_refused_and_counted(
         assert "no thread to run this call on" in refused[3].message
         assert made.transport.closed
         assert made.metrics.totals().exceptions == {("unavailable", NO_METHOD): 1}
+    finally:
+        forbid_waiting(False)
+        made.close()
+
+
+def test_an_http_call_with_no_thread_to_run_on_is_a_503_unavailable(tmp_path: Path) -> None:
+    now = [wall_clock_ms()]
+    generator = IdGenerator(GeneratorSettings(max_backwards_ms=1000), clock=lambda: now[0])
+    made = _Driven(tmp_path, generator=generator, kind=HttpConnection)
+    pool = WaitThreads(1, "test-wait")
+    pool.shutdown()
+    made.shared.executor = pool
+    forbid_waiting()
+    request = b"GET /v1/id?agent=a HTTP/1.1\r\nHost: x\r\n\r\n"
+    try:
+        made.connection.data_received(request)
+        assert b"200 OK" in b"".join(made.transport.written)
+        made.transport.written.clear()
+        now[0] -= 100  # the next id must wait: on a thread, which there is not
+        made.connection.data_received(request)
+        reply = b"".join(made.transport.written)
+        head, body = reply.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: " in head
+        assert json.loads(body)["error"] == "unavailable"
+        assert made.transport.closed
     finally:
         forbid_waiting(False)
         made.close()
