@@ -106,7 +106,7 @@ def child_argv(settings: ServerSettings) -> list[str]:
         if option.is_switch:
             if value:
                 argv.append(option.flag)
-        elif value != "":
+        elif value != "" and value is not None:  # None: derived, as the child will too
             argv += [
                 option.flag,
                 worker_id_text(value) if option.name == "worker_id" else str(value),
