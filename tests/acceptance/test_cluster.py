@@ -563,8 +563,9 @@ def test_a_node_on_an_id_zookeeper_forgot_does_not_repeat_its_holders_ids(
     # Seen: ZooKeeper came back empty; B, whose clock is behind A's, leased A's worker
     # id before A registered again, and both handed out the same ids (6,600 of them).
     start = cluster(own_zk)
-    # A's longer session keeps it away for 8 s: B leases worker 0 first.
-    a = start("--worker-id", "auto", "--zk-session-timeout", "8")
+    # A's longer session keeps it away for 20 s (its client is replaced only after it):
+    # B, started as soon as ZooKeeper is back, leases worker 0 first.
+    a = start("--worker-id", "auto", "--zk-session-timeout", "20")
     assert a.raw_client().get_worker_id() == 0
     behind = FakeTime(tmp_path)
     behind.set("-12")  # within B's --max-peer-skew
@@ -595,8 +596,10 @@ def test_a_node_on_an_id_zookeeper_forgot_does_not_repeat_its_holders_ids(
     assert not repeated
     assert b.raw_client().get_worker_id() == 0, "B leased A's id while A was away"
     assert "no high-water mark of worker id 0 in ZooKeeper" in b.log()
-    wait_until(lambda: "put the high-water mark of worker id 0 back" in a.log(), "A's mark", 30)
-    assert a.raw_client().get_worker_id() == 1, "A came back on another id"
+    # A comes back on another id. It put its marks back first unless B's were higher
+    # already (B's clock is behind, but it waited): the log says which.
+    wait_until(lambda: "registered again as worker 1" in a.log(), "A registered again", 45)
+    assert a.raw_client().get_worker_id() == 1
     assert len(load_a.ids) == len(from_a) and len(load_b.ids) == len(from_b)
     newest_a = max(decompose(i).timestamp_ms for i in from_a if decompose(i).worker_id == 0)
     oldest_b = min(decompose(i).timestamp_ms for i in from_b)
