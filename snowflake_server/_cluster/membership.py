@@ -202,7 +202,7 @@ class Cluster(Collector):
             worker_id = self._lease(preferred, patient, skipped)
             node = f"{self._nodes}/{worker_id}"
             try:
-                store, waited = self._load_marks(worker_id)
+                store, waited = self._load_marks(worker_id, node)
                 worker = self._open_worker(worker_id, (store, ZK_MARK_AHEAD_MS), waited)
             except ClockBehindMark as e:
                 self._delete(node)
@@ -248,11 +248,11 @@ class Cluster(Collector):
         log.info("registered %s as datacenter %d, worker %d", self.address, self._dc, worker_id)
         self._heartbeat()
 
-    def _load_marks(self, worker_id: int) -> tuple[ZkMarkStore, float | None]:
-        """The mark store of a leased ``worker_id``, and the seconds waited because
-        ZooKeeper held no mark of it (None: it held one). Without a mark the id is
-        new, or ZooKeeper lost its data: wait, then read again what a node that held
-        the id put back meanwhile."""
+    def _load_marks(self, worker_id: int, node: str) -> tuple[ZkMarkStore, float | None]:
+        """The mark store of a leased ``worker_id`` (registered at ``node``), and the
+        seconds waited because ZooKeeper held no mark of it (None: it held one). Without
+        a mark the id is new, or ZooKeeper lost its data: wait, then read again what a
+        node that held the id put back meanwhile."""
         path = f"{self._marks}/{worker_id}"
 
         def load() -> ZkMarkStore:
@@ -277,7 +277,6 @@ class Cluster(Collector):
                 raise StartupRefused("stopping: no registration")
             # The node must still be ours, in the session that created it: after the wait
             # the store is bound to the session current then.
-            node = f"{self._nodes}/{worker_id}"
             if not self._owned(node, f"waiting for the mark of {path}"):
                 raise StartupRefused(
                     f"the registration {node} was lost while waiting for its high-water mark"

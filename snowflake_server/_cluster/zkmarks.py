@@ -49,6 +49,7 @@ ZK_MARK_AHEAD_MS = 2000
 """How far ahead of the clock the mark in ZooKeeper is reserved (rounded up to whole
 seconds, so it is written about once a second)."""
 _OP_TIMEOUT_S = 2.0
+_RESTORE_TRIES = 5  # reads and conditional writes of a mark other nodes keep moving
 
 
 def layout_from_json(value: object) -> Layout:
@@ -273,9 +274,6 @@ def restore_marks(
         except (BadVersionError, NoNodeError):
             continue
     raise StartupRefused(f"{path} kept changing while its high-water mark was put back")
-
-
-_RESTORE_TRIES = 5
 
 
 def _encode(marks: tuple[int, ...], clock_sequence: int, layout: dict[str, int]) -> bytes:

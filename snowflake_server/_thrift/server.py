@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-import queue
 import resource
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
-from typing import ParamSpec, TypeVar
+from concurrent.futures import ThreadPoolExecutor
 
 from snowflake_thrift_client._transports import address_family
 
@@ -42,7 +39,7 @@ from .._observability.metrics import ConnectionStats, ServiceMetrics
 from .connection import Connection, Shared
 from .handler import Processor
 
-__all__ = ["ThriftServer", "WaitThreads", "listen_socket", "new_event_loop"]
+__all__ = ["ThriftServer", "listen_socket", "new_event_loop", "started_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +49,7 @@ _SPARE_FDS = 64  # files besides client connections: listener, logs, state, ZooK
 _AFTER_ABORT_S = 1.0
 _BEAT_EVERY_S = 1.0
 
-_P = ParamSpec("_P")
-_T = TypeVar("_T")
+_THREADS_START_S = 10.0
 
 
 def listen_socket(
@@ -106,64 +102,27 @@ def _fit_open_files(connections: int) -> None:
         )  # fmt: skip
 
 
-class WaitThreads(Executor):
-    """``count`` threads for the calls that must wait, all started when it is made.
+def started_threads(count: int, name: str) -> ThreadPoolExecutor:
+    """An executor whose ``count`` threads are all running when it returns, for the
+    calls that must wait; it never starts another (it has ``max_workers`` of them).
 
-    ThreadPoolExecutor starts its threads when calls arrive: on a host out of
-    threads (a container's ``pids.max`` reached) that start failed inside the
-    loop's callback, and the client was dropped unanswered with its slot never
-    given back. These are started while the server starts, and never again.
+    A plain ThreadPoolExecutor starts its threads as calls arrive: on a host out of
+    threads (a container's ``pids.max`` reached) that start failed inside the loop's
+    callback, and the client was dropped unanswered with its slot never given back.
+    So each thread is made to start now, held at a barrier until all have. Raises
+    ``RuntimeError`` (and leaves none running) if they cannot all start.
     """
-
-    def __init__(self, count: int, name: str) -> None:
-        self._calls: queue.SimpleQueue[tuple[Future[object], Callable[[], object]] | None]
-        self._calls = queue.SimpleQueue()
-        self._shut = False
-        self._threads: list[threading.Thread] = []
-        try:
-            for i in range(count):
-                # Daemons: a server never closed must not hold the interpreter's exit
-                # (a call that holds the generator's lock still ends before its seal).
-                thread = threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                thread.start()
-                self._threads.append(thread)
-        except BaseException:
-            self.shutdown()
-            raise
-
-    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
-        if self._shut:
-            raise RuntimeError("cannot schedule new futures after shutdown")
-        future: Future[_T] = Future()
-        self._calls.put((future, functools.partial(fn, *args, **kwargs)))  # type: ignore[arg-type]
-        return future
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        if self._shut:
-            return
-        self._shut = True
-        while cancel_futures:
-            try:
-                call = self._calls.get_nowait()
-            except queue.Empty:
-                break
-            if call is not None:
-                call[0].cancel()
-        for _ in self._threads:
-            self._calls.put(None)
-        if wait:
-            for thread in self._threads:
-                thread.join()
-
-    def _work(self) -> None:
-        while (call := self._calls.get()) is not None:
-            future, run = call
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(run())
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(e)
+    executor = ThreadPoolExecutor(count, thread_name_prefix=name)
+    ready = threading.Barrier(count + 1)
+    try:
+        for _ in range(count):
+            executor.submit(ready.wait)  # busy until all arrive: each submit starts one
+        ready.wait(_THREADS_START_S)
+    except BaseException:
+        ready.abort()
+        executor.shutdown(wait=False, cancel_futures=True)
+        raise
+    return executor
 
 
 class ThriftServer:
@@ -201,7 +160,7 @@ class ThriftServer:
         self._shared: Shared | None = None
         self._beat_handle: asyncio.TimerHandle | None = None
         self._last_reject_log = float("-inf")
-        self._waits: WaitThreads | None = None
+        self._waits: ThreadPoolExecutor | None = None
 
     def bind(self) -> tuple[str, int]:
         """Bind, not yet listening (a connection attempt is refused until :meth:`listen`);
@@ -247,7 +206,7 @@ class ThriftServer:
                 # allows that) and listened first: a port in use, found only now.
                 raise ConfigurationError(f"cannot listen on {host}:{port}: {e}") from None
         if self._waits is None:
-            self._waits = WaitThreads(_WAIT_THREADS, "snowflake-wait")
+            self._waits = started_threads(_WAIT_THREADS, "snowflake-wait")
         self._listening = True
 
     def set_tls(self, tls: ssl.SSLContext) -> None:

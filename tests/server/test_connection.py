@@ -35,7 +35,7 @@ from snowflake_server._observability.metrics import NO_METHOD, ServiceMetrics
 from snowflake_server._thrift import connection
 from snowflake_server._thrift.connection import Shared
 from snowflake_server._thrift.handler import Processor, SnowflakeHandler, service_methods
-from snowflake_server._thrift.server import WaitThreads, new_event_loop
+from snowflake_server._thrift.server import new_event_loop, started_threads
 from tests.support.endpoints import encode_call
 from tests.support.fakes import FakeTransport
 from tests.support.inprocess import InProcessServer
@@ -550,7 +550,7 @@ def test_a_call_that_must_wait_with_no_thread_to_run_on_is_refused_and_counted(
     now = [wall_clock_ms()]
     generator = IdGenerator(GeneratorSettings(max_backwards_ms=1000), clock=lambda: now[0])
     made = _Driven(tmp_path, generator=generator)
-    pool = WaitThreads(1, "test-wait")
+    pool = started_threads(1, "test-wait")
     pool.shutdown()  # it takes no call, as when no thread can be had
     made.shared.executor = pool
     forbid_waiting()  # this thread plays the loop's
@@ -574,7 +574,7 @@ def test_an_http_call_with_no_thread_to_run_on_is_a_503_unavailable(tmp_path: Pa
     now = [wall_clock_ms()]
     generator = IdGenerator(GeneratorSettings(max_backwards_ms=1000), clock=lambda: now[0])
     made = _Driven(tmp_path, generator=generator, kind=HttpConnection)
-    pool = WaitThreads(1, "test-wait")
+    pool = started_threads(1, "test-wait")
     pool.shutdown()
     made.shared.executor = pool
     forbid_waiting()

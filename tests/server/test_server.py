@@ -18,7 +18,7 @@ from thriftpy2.transport import TTransportException
 
 from snowflake_server import ConfigurationError, ServerSettings, decompose
 from snowflake_server._ids.clocks import wall_clock_ms
-from snowflake_server._thrift.server import ThriftServer, WaitThreads
+from snowflake_server._thrift.server import ThriftServer, started_threads
 from tests.support.endpoints import encode_call
 from tests.support.fakes import FakeClock
 from tests.support.inprocess import InProcessServer
@@ -290,7 +290,7 @@ def _alive(prefix: str) -> int:
 
 
 def test_the_wait_threads_start_up_front_and_run_cancel_or_refuse_calls() -> None:
-    pool = WaitThreads(2, "test-wait-up-front")
+    pool = started_threads(2, "test-wait-up-front")
     assert _alive("test-wait-up-front") == 2  # none is started when a call comes
     release = threading.Event()
     holding = [pool.submit(release.wait, 10) for _ in range(2)]  # both threads busy
@@ -329,6 +329,6 @@ def test_wait_threads_that_cannot_all_start_stop_those_that_did(
 
     monkeypatch.setattr(threading.Thread, "start", start_once)
     with pytest.raises(RuntimeError, match="can't start new thread"):
-        WaitThreads(3, "test-wait-not-all")
+        started_threads(3, "test-wait-not-all")
     started[0].join(10)
     assert not started[0].is_alive() and _alive("test-wait-not-all") == 0
