@@ -1005,3 +1005,14 @@ def test_a_registration_lost_during_the_wait_is_not_served(
     node.cluster._sleep = lambda _s: expire(node)
     with pytest.raises(StartupRefused, match="was lost while waiting for its high-water mark"):
         node.cluster.register()
+
+
+def test_a_stop_during_the_first_start_wait_ends_it_without_registering(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    node = member(worker_id=0, first_start_wait=15.0)
+    node.cluster.connect()
+    node.cluster._sleep = lambda _s: node.cluster._stop.set()  # a stop meanwhile
+    with pytest.raises(StartupRefused, match="stopping: no registration"):
+        node.cluster.register()
+    assert zk.exists(f"{zk_path}/nodes/0/0") is None and node.slot.worker is None

@@ -4,9 +4,11 @@ ZooKeeper, is in test_membership)."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 from kazoo.client import KazooClient
+from kazoo.protocol.serialization import Connect
 
 from snowflake_server._cluster.session import GrantedTimeout, watch_granted_timeout
 from tests.support.zookeeper import ZooKeeper
@@ -56,3 +58,18 @@ def test_a_real_handshake_is_seen(zookeeper: ZooKeeper) -> None:
     finally:
         client.stop()
         client.close()
+
+
+def test_an_expired_sessions_reply_records_nothing() -> None:
+    # The handshake of a session ZooKeeper no longer knows answers time_out 0.
+    class Handshake:
+        def _invoke(self, timeout: float, request: Any, xid: int | None = None) -> Any:
+            return Connect(0, 0, 0, SESSION, b"", False), None
+
+    class Client:
+        _connection = Handshake()
+
+    client = Client()
+    granted = watch_granted_timeout(client, 10.0)
+    client._connection._invoke(1.0, Connect(0, 0, 10000, SESSION, b"", False))
+    assert granted.granted_s is None and granted.for_session(SESSION) is None
