@@ -43,6 +43,13 @@ class FakeTime:
             "FAKETIME_TIMESTAMP_FILE": str(self.file),
             "FAKETIME_NO_CACHE": "1",  # read the offset on every call
             "FAKETIME_DONT_FAKE_MONOTONIC": "1",  # only the wall clock moves
+            # On by default for this glibc, the "monotonic fix" makes every timed wait on
+            # a CLOCK_MONOTONIC condition variable (CPython's GIL hand-over) re-read the
+            # offset file in a loop, holding libfaketime's lock: each hand-over between
+            # threads then takes up to seconds (a start 30 ms → 2 s; renewals late enough
+            # that calls failed, or one hung past the client's 5 s). Only the wall clock
+            # is faked here, so no monotonic deadline needs fixing.
+            "FAKETIME_FORCE_MONOTONIC_FIX": "0",
         }
 
     def set(self, offset: str) -> None:
