@@ -53,6 +53,7 @@ from prometheus_client.registry import Collector
 from .._config.settings import ClusterSettings
 from .._errors import ClockBehindMark, ReservationError, StartupRefused
 from .._ids.clocks import boot_clock
+from .._observability.metrics import counter_by
 from .._state.reservation import MarkStore
 from .._state.statefile import layout_to_json
 from .._state.worker import Worker, WorkerSlot
@@ -534,14 +535,12 @@ class Cluster(Collector):
         yield GaugeMetricFamily(
             "snowflake_serving", "1 while this node hands out ids.", value=int(self._slot.serving)
         )
-        events = CounterMetricFamily(
+        yield counter_by(
             "snowflake_zookeeper_session_events",
             "ZooKeeper session state transitions, by new state.",
-            labels=["state"],
+            "state",
+            {state: self._events[state] for state in ("connected", "suspended", "lost")},
         )
-        for state in ("connected", "suspended", "lost"):
-            events.add_metric([state], self._events[state])
-        yield events
         yield GaugeMetricFamily(
             "snowflake_zookeeper_last_contact_age_seconds",
             "Seconds since ZooKeeper last confirmed that our registration is ours.",
@@ -558,15 +557,13 @@ class Cluster(Collector):
             "ZooKeeper granted if lower.",
             value=self.session_timeout,
         )
-        skipped = CounterMetricFamily(
+        yield counter_by(
             "snowflake_zookeeper_worker_ids_skipped",
             "Worker ids --worker-id auto passed over, by reason: mark_ahead (their mark is "
             "further ahead of our clock than --max-startup-wait), other_layout.",
-            labels=["reason"],
+            "reason",
+            {reason: self._skipped[reason] for reason in ("mark_ahead", "other_layout")},
         )
-        for reason in ("mark_ahead", "other_layout"):
-            skipped.add_metric([reason], self._skipped[reason])
-        yield skipped
         yield CounterMetricFamily(
             "snowflake_zookeeper_client_restarts",
             "ZooKeeper clients replaced after staying without a session too long.",

@@ -31,13 +31,14 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 from urllib.parse import unquote
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 from snowflake_thrift_client._transports import address_family
 
 from .._config.settings import AdminSettings
 from .._errors import ConfigurationError
+from .metrics import counter_by
 
 __all__ = ["AdminServer", "Live", "Ready"]
 
@@ -115,15 +116,13 @@ class AdminServer(Collector):
             self._loop.close()
 
     def collect(self) -> Iterable[Metric]:
-        closed = CounterMetricFamily(
+        yield counter_by(
             "snowflake_admin_connections_rejected",
             "Admin endpoint connections closed unanswered: full (the most allowed were "
             "open), or slow (no whole request, or its answer not taken, in time).",
-            labels=["reason"],
+            "reason",
+            {"full": self.closed_full, "slow": self.closed_slow},
         )
-        closed.add_metric(["full"], self.closed_full)
-        closed.add_metric(["slow"], self.closed_slow)
-        yield closed
 
     def _run(self) -> None:
         try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import platform
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -38,6 +38,7 @@ __all__ = [
     "OVERFLOW_AGENT",
     "ConnectionStats",
     "ServiceMetrics",
+    "counter_by",
 ]
 
 # Calls take tens of microseconds: prometheus-client's default buckets start at 5 ms.
@@ -209,25 +210,21 @@ class ServiceMetrics(Collector):
         counts = gen.counters()
         total = self.totals()
         yield _counter("ids_generated", "Ids handed out.", counts.ids_generated)
-        by_agent = CounterMetricFamily(
+        yield counter_by(
             "snowflake_ids_by_agent",
             f"Ids handed out, by user agent (the first {self._max_agents} agents seen; "
             f"later ones as {OVERFLOW_AGENT}).",
-            labels=["agent"],
+            "agent",
+            dict(sorted(total.agent_ids.items())),
         )
-        for agent, n in sorted(total.agent_ids.items()):
-            by_agent.add_metric([agent], n)
-        yield by_agent
         yield from self._calls(total)
-        backwards = CounterMetricFamily(
+        yield counter_by(
             "snowflake_clock_backwards",
             "Times the clock was found behind the newest id: waited out, or refused "
             "with InvalidSystemClock.",
-            labels=["action"],
+            "action",
+            {"waited": counts.clock_backwards_waited, "refused": counts.clock_backwards_refused},
         )
-        backwards.add_metric(["waited"], counts.clock_backwards_waited)
-        backwards.add_metric(["refused"], counts.clock_backwards_refused)
-        yield backwards
         yield _counter(
             "clock_sequence_switches",
             "Times the clock was behind every id of the clock-sequence value in use (beyond "
@@ -327,6 +324,14 @@ def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
         running += n
         out.append((bound, running))
     return out
+
+
+def counter_by(name: str, doc: str, label: str, counts: Mapping[str, float]) -> Metric:
+    """The counter ``name`` with a sample per value of ``label``, in ``counts``' order."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value, count in counts.items():
+        family.add_metric([value], count)
+    return family
 
 
 def _counter(name: str, doc: str, value: int) -> CounterMetricFamily:

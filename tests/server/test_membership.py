@@ -153,6 +153,7 @@ class Member:
 
 
 Make = Callable[..., Member]
+OwnZooKeeper = Callable[..., ZooKeeper]
 
 
 # -- fixtures -------------------------------------------------------------------
@@ -228,6 +229,24 @@ def member(zookeeper: ZooKeeper, zk_path: str, tmp_path: Path) -> Iterator[Make]
         for client in node.clients:
             client.stop()
             client.close()
+
+
+@pytest.fixture
+def own_zookeeper(tmp_path: Path) -> Iterator[OwnZooKeeper]:
+    """``own_zookeeper(**options)``: a started ZooKeeper of the test's own, to stop, wipe
+    and start again (the shared one stays up for the other tests); stopped after it.
+    Ask for it after ``member``, so that it stops before the nodes are closed."""
+    started: list[ZooKeeper] = []
+
+    def make(**options: Any) -> ZooKeeper:
+        own = ZooKeeper(tmp_path / "zk", **options)
+        own.start()
+        started.append(own)
+        return own
+
+    yield make
+    for own in started:
+        own.stop()
 
 
 # -- helpers --------------------------------------------------------------------
@@ -564,39 +583,35 @@ def test_a_mark_moved_by_another_node_stops_ids_and_registers_again(
     assert decompose(node.slot.next_id()).timestamp_ms > T0 + 8000, "after the other's mark"
 
 
-def test_a_client_stuck_suspended_is_replaced(member: Make, tmp_path: Path) -> None:
-    own = ZooKeeper(tmp_path / "zk")
+def test_a_client_stuck_suspended_is_replaced(member: Make, own_zookeeper: OwnZooKeeper) -> None:
+    own = own_zookeeper()
+    node = member(hosts=own.hosts, worker_id=7, zk_connect_timeout=0.5).join()
+    stuck = node.client
+    own.stop()
+    stuck.states.wait_for(KazooState.SUSPENDED)
+    node.tick()  # within the session: nothing to do but wait
+    assert node.cluster.client is stuck and node.slot.serving
+    node.gate.advance(OPEN_FOR + 0.001)
+    assert not node.slot.serving
+    with pytest.raises(UnavailableError, match=UNREACHABLE):
+        node.slot.next_id()
+    node.gate.advance(SESSION - OPEN_FOR)  # past the session timeout, still SUSPENDED
+    node.tick()  # a new client: it cannot connect either, within its 0.5 s
+    assert not stuck.connected and len(node.clients) == 2
+    assert node.cluster.client is None and node.cluster.client_restarts == 1
+    assert node.cluster.details()["zookeeper"] == "NONE"
+    own.wipe()  # it comes back empty: the old session is unknown there
     own.start()
-    try:
-        node = member(hosts=own.hosts, worker_id=7, zk_connect_timeout=0.5).join()
-        stuck = node.client
-        own.stop()
-        stuck.states.wait_for(KazooState.SUSPENDED)
-        node.tick()  # within the session: nothing to do but wait
-        assert node.cluster.client is stuck and node.slot.serving
-        node.gate.advance(OPEN_FOR + 0.001)
-        assert not node.slot.serving
-        with pytest.raises(UnavailableError, match=UNREACHABLE):
-            node.slot.next_id()
-        node.gate.advance(SESSION - OPEN_FOR)  # past the session timeout, still SUSPENDED
-        node.tick()  # a new client: it cannot connect either, within its 0.5 s
-        assert not stuck.connected and len(node.clients) == 2
-        assert node.cluster.client is None and node.cluster.client_restarts == 1
-        assert node.cluster.details()["zookeeper"] == "NONE"
-        own.wipe()  # it comes back empty: the old session is unknown there
-        own.start()
-        node.tick()  # another new client: connected
-        assert node.cluster.client is node.client and node.client.connected
-        assert node.cluster.client_restarts == 2 and not node.slot.serving
-        node.tick()  # registered afresh
-        assert node.worker_id == 7 and node.slot.serving
-        assert node.cluster.registrations == 2
-        counts = samples(node.cluster)
-        assert counts["snowflake_zookeeper_client_restarts_total"] == 2
-        assert events(node.cluster)["suspended"] == 1
-        node.cluster.close()
-    finally:
-        own.stop()
+    node.tick()  # another new client: connected
+    assert node.cluster.client is node.client and node.client.connected
+    assert node.cluster.client_restarts == 2 and not node.slot.serving
+    node.tick()  # registered afresh
+    assert node.worker_id == 7 and node.slot.serving
+    assert node.cluster.registrations == 2
+    counts = samples(node.cluster)
+    assert counts["snowflake_zookeeper_client_restarts_total"] == 2
+    assert events(node.cluster)["suspended"] == 1
+    node.cluster.close()
 
 
 # -- the supervision thread -------------------------------------------------------
@@ -772,29 +787,25 @@ def test_a_mark_of_0_1_0_is_a_mark_of_the_layout_in_use(
 
 @pytest.mark.parametrize("step", ["check_peers", "register"])
 def test_a_zookeeper_that_vanishes_during_start_up_is_refused_within_the_connect_timeout(
-    member: Make, tmp_path: Path, step: str
+    member: Make, own_zookeeper: OwnZooKeeper, step: str
 ) -> None:
     """Issue 16, item 8: kazoo's retries and its wait for a reconnection took 34 s."""
-    own = ZooKeeper(tmp_path / "zk")
-    own.start()
-    try:
-        node = member(hosts=own.hosts, worker_id=3, zk_connect_timeout=1.0)
-        node.cluster.connect()
-        own.stop()
-        node.client.states.wait_for(KazooState.SUSPENDED)
-        started = time.monotonic()
-        with pytest.raises(StartupRefused) as info:
-            getattr(node.cluster, step)()
-        assert time.monotonic() - started < 2.5
-        assert str(info.value).startswith(
-            "ZooKeeper did not answer within 1 s (--zk-connect-timeout) while "
-        ), info.value
-        assert not node.slot.serving
-        started = time.monotonic()
-        node.cluster.close()
-        assert time.monotonic() - started < 5, "closing does not wait for ZooKeeper either"
-    finally:
-        own.stop()
+    own = own_zookeeper()
+    node = member(hosts=own.hosts, worker_id=3, zk_connect_timeout=1.0)
+    node.cluster.connect()
+    own.stop()
+    node.client.states.wait_for(KazooState.SUSPENDED)
+    started = time.monotonic()
+    with pytest.raises(StartupRefused) as info:
+        getattr(node.cluster, step)()
+    assert time.monotonic() - started < 2.5
+    assert str(info.value).startswith(
+        "ZooKeeper did not answer within 1 s (--zk-connect-timeout) while "
+    ), info.value
+    assert not node.slot.serving
+    started = time.monotonic()
+    node.cluster.close()
+    assert time.monotonic() - started < 5, "closing does not wait for ZooKeeper either"
 
 
 def test_a_connection_dropped_while_taking_an_id_is_a_refusal(
@@ -815,35 +826,31 @@ def test_a_connection_dropped_while_taking_an_id_is_a_refusal(
 
 
 def test_the_gate_counts_with_the_session_timeout_zookeeper_granted(
-    member: Make, tmp_path: Path, log_events: LogEvents
+    member: Make, own_zookeeper: OwnZooKeeper, log_events: LogEvents
 ) -> None:
     # Asked for 10 s, granted 2 s (its maxSessionTimeout): the registration can be
     # leased elsewhere 2 s after the last contact, so ids stop 1.8 s after it.
-    own = ZooKeeper(tmp_path / "zk", max_session_timeout_ms=2000)
-    own.start()
-    try:
-        node = member(hosts=own.hosts, worker_id=4, zk_session_timeout=10.0).join()
-        log_events.wait_for("ZooKeeper granted a session timeout of 2 s, not the 10 s asked for")
-        assert node.slot.open_until == node.gate.now + 1.8
-        assert node.cluster.session_timeout == 2.0
-        assert node.cluster.details()["session_timeout_s"] == 2.0
-        assert samples(node.cluster)["snowflake_zookeeper_session_timeout_seconds"] == 2.0
-        node.gate.advance(1.8)
-        assert node.slot.serving
-        node.gate.advance(0.001)
-        assert not node.slot.serving, "the gate closed at 0.9 x the granted timeout"
-        assert node.slot.unavailable_reason() == f"this node is not handing out ids: {UNREACHABLE}"
-        # A client left SUSPENDED is replaced after the granted timeout too.
-        stuck = node.client
-        own.stop()
-        stuck.states.wait_for(KazooState.SUSPENDED)
-        node.tick()
-        assert node.cluster.client is stuck, "within the session"
-        node.gate.advance(2.001)
-        node.tick()
-        assert node.cluster.client_restarts == 1
-    finally:
-        own.stop()
+    own = own_zookeeper(max_session_timeout_ms=2000)
+    node = member(hosts=own.hosts, worker_id=4, zk_session_timeout=10.0).join()
+    log_events.wait_for("ZooKeeper granted a session timeout of 2 s, not the 10 s asked for")
+    assert node.slot.open_until == node.gate.now + 1.8
+    assert node.cluster.session_timeout == 2.0
+    assert node.cluster.details()["session_timeout_s"] == 2.0
+    assert samples(node.cluster)["snowflake_zookeeper_session_timeout_seconds"] == 2.0
+    node.gate.advance(1.8)
+    assert node.slot.serving
+    node.gate.advance(0.001)
+    assert not node.slot.serving, "the gate closed at 0.9 x the granted timeout"
+    assert node.slot.unavailable_reason() == f"this node is not handing out ids: {UNREACHABLE}"
+    # A client left SUSPENDED is replaced after the granted timeout too.
+    stuck = node.client
+    own.stop()
+    stuck.states.wait_for(KazooState.SUSPENDED)
+    node.tick()
+    assert node.cluster.client is stuck, "within the session"
+    node.gate.advance(2.001)
+    node.tick()
+    assert node.cluster.client_restarts == 1
 
 
 def test_a_heartbeat_from_a_session_whose_granted_timeout_is_unknown_proves_nothing(
@@ -889,63 +896,55 @@ def comes_back(node: Member) -> None:
 
 
 def test_after_zookeeper_lost_its_data_a_node_on_the_id_waits_for_its_holder_to_come_back(
-    member: Make, tmp_path: Path, log_events: LogEvents
+    member: Make, own_zookeeper: OwnZooKeeper, log_events: LogEvents
 ) -> None:
     # Seen: B, whose clock is 3 s behind A's, leased A's worker id from an emptied
     # ZooKeeper before A registered again, and both handed out the same ids.
-    own = ZooKeeper(tmp_path / "zk")
-    own.start()
-    try:
-        a = member(hosts=own.hosts, worker_id=-1, clock_ms=T0 + 5000).join()
-        issued_by_a = {a.slot.next_id() for _ in range(50)}
-        lose_data(own, a)
-        # B leases worker 0: ZooKeeper has no mark of it. While B waits, A is back.
-        b = member(
-            hosts=own.hosts, worker_id=-1, first_start_wait=15.0, on_sleep=lambda _s: comes_back(a)
-        ).join()
-        log_events.wait_for("put the high-water mark of worker id 0 back")
-        assert b.sleeps == [15.0] and b.worker_id == 0
-        assert a.worker_id == 1, "A took another id: B had leased its own"
-        from_b = [b.slot.next_id() for _ in range(50)]
-        assert not issued_by_a & set(from_b)
-        assert min(decompose(i).timestamp_ms for i in from_b) > max(
-            decompose(i).timestamp_ms for i in issued_by_a
-        ), "B waited for its clock to pass A's mark"
-        assert b.slot.worker is not None
-        assert not b.slot.worker.reservation.first_start, "it found a mark after all"
-    finally:
-        own.stop()
+    own = own_zookeeper()
+    a = member(hosts=own.hosts, worker_id=-1, clock_ms=T0 + 5000).join()
+    issued_by_a = {a.slot.next_id() for _ in range(50)}
+    lose_data(own, a)
+    # B leases worker 0: ZooKeeper has no mark of it. While B waits, A is back.
+    b = member(
+        hosts=own.hosts, worker_id=-1, first_start_wait=15.0, on_sleep=lambda _s: comes_back(a)
+    ).join()
+    log_events.wait_for("put the high-water mark of worker id 0 back")
+    assert b.sleeps == [15.0] and b.worker_id == 0
+    assert a.worker_id == 1, "A took another id: B had leased its own"
+    from_b = [b.slot.next_id() for _ in range(50)]
+    assert not issued_by_a & set(from_b)
+    assert min(decompose(i).timestamp_ms for i in from_b) > max(
+        decompose(i).timestamp_ms for i in issued_by_a
+    ), "B waited for its clock to pass A's mark"
+    assert b.slot.worker is not None
+    assert not b.slot.worker.reservation.first_start, "it found a mark after all"
 
 
 def test_after_zookeeper_lost_its_data_a_holder_back_first_keeps_its_id_and_mark(
-    member: Make, tmp_path: Path, zk_path: str
+    member: Make, own_zookeeper: OwnZooKeeper, zk_path: str
 ) -> None:
-    own = ZooKeeper(tmp_path / "zk")
-    own.start()
+    own = own_zookeeper()
+    a = member(hosts=own.hosts, worker_id=-1, clock_ms=T0 + 5000, first_start_wait=15.0)
+    a.join()
+    assert a.sleeps == [15.0], "a new id: waited once"
+    last = max(a.slot.next_id() for _ in range(50))
+    lose_data(own, a)
+    comes_back(a)
+    assert a.worker_id == 0 and a.slot.serving
+    assert a.sleeps == [15.0], "its mark was back before it leased: no wait this time"
+    assert decompose(a.slot.next_id()).timestamp_ms >= decompose(last).timestamp_ms
+    b = member(hosts=own.hosts, worker_id=0, clock_ms=T0 + 2000, first_start_wait=15.0)
+    b.cluster.connect()
+    with pytest.raises(StartupRefused, match="registered by"):
+        b.cluster.register()
+    assert b.sleeps == [1.0, 1.0], "the mark is there: no first-start wait, only retries"
+    client = own.client()
+    client.start(timeout=10)
     try:
-        a = member(hosts=own.hosts, worker_id=-1, clock_ms=T0 + 5000, first_start_wait=15.0)
-        a.join()
-        assert a.sleeps == [15.0], "a new id: waited once"
-        last = max(a.slot.next_id() for _ in range(50))
-        lose_data(own, a)
-        comes_back(a)
-        assert a.worker_id == 0 and a.slot.serving
-        assert a.sleeps == [15.0], "its mark was back before it leased: no wait this time"
-        assert decompose(a.slot.next_id()).timestamp_ms >= decompose(last).timestamp_ms
-        b = member(hosts=own.hosts, worker_id=0, clock_ms=T0 + 2000, first_start_wait=15.0)
-        b.cluster.connect()
-        with pytest.raises(StartupRefused, match="registered by"):
-            b.cluster.register()
-        assert b.sleeps == [1.0, 1.0], "the mark is there: no first-start wait, only retries"
-        client = own.client()
-        client.start(timeout=10)
-        try:
-            assert mark(client, f"{zk_path}/marks/0/0") >= decompose(last).timestamp_ms
-        finally:
-            client.stop()
-            client.close()
+        assert mark(client, f"{zk_path}/marks/0/0") >= decompose(last).timestamp_ms
     finally:
-        own.stop()
+        client.stop()
+        client.close()
 
 
 def test_a_worker_id_without_a_mark_waits_the_window_when_no_holder_comes_back(
