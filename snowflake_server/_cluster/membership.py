@@ -416,8 +416,7 @@ class Cluster(Collector):
     def session_timeout(self) -> float:
         """The session timeout counted with: the requested one, or the granted one of
         the latest session if lower."""
-        granted = self._granted.granted_s
-        return self._timeout if granted is None else min(self._timeout, granted)
+        return self._granted.effective_s
 
     def _supervise(self) -> None:
         while not self._stop.wait(self._every or min(1.0, self.session_timeout / 4)):

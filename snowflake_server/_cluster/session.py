@@ -60,13 +60,24 @@ class GrantedTimeout:
         with self._lock:
             if session != self._session or self._granted_s is None:
                 return None
-            return min(self.requested_s, self._granted_s)
+            return self._effective_s()
 
     @property
     def granted_s(self) -> float | None:
         """The latest session's granted timeout (None before the first)."""
         with self._lock:
             return self._granted_s
+
+    @property
+    def effective_s(self) -> float:
+        """The timeout to count with: the requested one, or the latest session's
+        granted one if lower."""
+        with self._lock:
+            return self._effective_s()
+
+    def _effective_s(self) -> float:
+        granted = self._granted_s
+        return self.requested_s if granted is None else min(self.requested_s, granted)
 
 
 def watch_granted_timeout(client: Any, requested_s: float) -> GrantedTimeout:

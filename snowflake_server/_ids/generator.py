@@ -341,10 +341,7 @@ class IdGenerator:
             self._reserve = None
             self._sealed = True
             self._ceiling = self._last_ts
-            # Close the current ms too, keeping the derived id count exact.
-            self._ids_before_this_ms += self._sequence - self._first_sequence + 1
-            self._first_sequence = self._max_sequence + 1
-            self._sequence = self._max_sequence
+            self._close_ms()
             return self._last_ts
 
     def next_id(self) -> int:
@@ -520,15 +517,20 @@ class IdGenerator:
             behind, current, value,
         )  # fmt: skip
         self.clock_sequence_switches += 1
-        # Close the current ms (keeping the derived id count exact), then start the new
-        # value just before now: its used times are all before now.
-        self._ids_before_this_ms += self._sequence - self._first_sequence + 1
-        self._first_sequence = self._max_sequence + 1
-        self._sequence = self._max_sequence
+        # Close the current ms, then start the new value just before now: its used times
+        # are all before now.
+        self._close_ms()
         self._clock_sequence = value
         self._node = self._node_ids | (value << self._clock_sequence_shift)
         self._last_ts = now - 1
         self._ceiling = min(ceiling, self._max_ts)
+
+    def _close_ms(self) -> None:
+        """Take no more ids in the current ms, keeping the derived id count exact.
+        Caller holds the lock."""
+        self._ids_before_this_ms += self._sequence - self._first_sequence + 1
+        self._first_sequence = self._max_sequence + 1
+        self._sequence = self._max_sequence
 
     def _uncount(self, waited_full: bool, waited_back: bool) -> None:
         # A call that raises WouldBlock is made again elsewhere and counts its waits there.

@@ -24,7 +24,6 @@ import contextlib
 import io
 import json
 import logging
-import socket
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -34,10 +33,9 @@ from urllib.parse import unquote
 from prometheus_client.core import Metric
 from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
-from snowflake_thrift_client._transports import address_family
 
 from .._config.settings import AdminSettings
-from .._errors import ConfigurationError
+from .._thrift.server import listen_socket
 from .metrics import counter_by
 
 __all__ = ["AdminServer", "Live", "Ready"]
@@ -84,16 +82,7 @@ class AdminServer(Collector):
         self.closed_full = 0  # closed to make room, or refused: max_connections were open
         self.closed_slow = 0  # no whole request, or its answer not taken, in time
         self.open: dict[_AdminConnection, None] = {}  # oldest first; loop thread only
-        host, port = settings.host, settings.port
-        sock = socket.socket(address_family(host), socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(128)
-        except OSError as e:
-            sock.close()
-            raise ConfigurationError(f"cannot listen on {host}:{port}: {e}") from None
-        self._sock = sock
+        self._sock = listen_socket(settings.host, settings.port, reuse_port=False, backlog=128)
         self._loop = asyncio.new_event_loop()
         self._stopping = asyncio.Event()  # set on the loop's thread
         self._thread = threading.Thread(target=self._run, name="admin-http", daemon=True)
@@ -247,13 +236,11 @@ class _AdminConnection(asyncio.Protocol):
         self.waiting = False
         assert self._transport is not None
         if end < 0:
-            head = b""
             reply = _response(
                 "431 Request Header Fields Too Large", [("Content-Type", "text/plain")], b""
             )
         else:
-            head = bytes(self._buf[:end])
-            reply = self._server.respond(head)
+            reply = self._server.respond(bytes(self._buf[:end]))
         self._buf.clear()
         self._transport.write(reply)
         self._transport.close()  # once the answer is sent; the timer still bounds that

@@ -278,12 +278,7 @@ class Reservation(Collector):
         and return the lowest stored, to be its ceiling; from then on renewals are for
         it. Raises ``ReservationError`` (and stays on the old value) if a write fails.
         The generator calls it under its lock, before any id uses the value."""
-        try:
-            return self._write_all(now_ms, clock_sequence, switching=True)
-        except ReservationError as e:
-            with self._changed:
-                self._last_error = str(e)  # the calls fail: /readyz says why
-            raise
+        return self._write_all(now_ms, clock_sequence, switching=True)
 
     @property
     def clock_sequence(self) -> int:
@@ -330,10 +325,13 @@ class Reservation(Collector):
                 stored = store.advance(now_ms + ahead_ms, value, switching=switching)
             except Exception as e:  # noqa: BLE001 - OSError, ZooKeeper errors: all mean "not stored"
                 # Some errors have no text (a ZooKeeper timeout): their type says it.
-                raise ReservationError(
+                message = (
                     f"cannot write the high-water mark to {store.where}: "
                     f"{str(e) or type(e).__name__}"
-                ) from None
+                )
+                with self._changed:
+                    self._last_error = message  # the calls fail: /readyz says why
+                raise ReservationError(message) from None
             finally:
                 self._writing = None
             ceiling = stored if ceiling is None else min(ceiling, stored)
@@ -367,9 +365,8 @@ class Reservation(Collector):
                     value = self._value
                 try:
                     ceiling = self._write_all(now, value)
-                except ReservationError as e:
+                except ReservationError as e:  # _write_all recorded it for /readyz
                     with self._changed:
-                        self._last_error = str(e)
                         self._failed = attempt
                         self._changed.notify_all()
                     # Ids go on up to the old ceiling; past it calls fail (clients go to

@@ -315,7 +315,6 @@ class ThriftServer:
             if self._http_listener is not None:
                 self._http_listener.close()
             await self._drain(shared, all_closed, grace_s)
-            executor.shutdown(wait=False, cancel_futures=True)
 
     def _beat(self, loop: asyncio.AbstractEventLoop) -> None:
         """Call the heartbeat now and then every second while the loop turns."""
