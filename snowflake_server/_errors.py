@@ -4,7 +4,9 @@
 
     SnowflakeError                          (snowflake_thrift_client)
     ├── ConfigurationError                  bad settings, found at start-up (also a ValueError)
-    ├── StartupRefused                      starting now could repeat ids: state file, clock
+    ├── StartupRefused                      starting now could repeat ids: state file, clock (exit 3)
+    ├── StartupDeferred                     cannot start yet, nothing unsafe: try again (exit 75)
+    ├── StartupInterrupted                  a stop signal arrived while starting (exit 0)
     ├── TimestampOverflowError              the layout's timestamp bits ran out
     ├── WouldBlock                          internal: a call must wait; run it off the event loop
     └── RequestError                        a request that cannot be served; declared in the IDL
@@ -41,6 +43,8 @@ __all__ = [
     "RequestError",
     "ReservationError",
     "SnowflakeError",
+    "StartupDeferred",
+    "StartupInterrupted",
     "StartupRefused",
     "TimestampOverflowError",
     "UnavailableError",
@@ -51,6 +55,19 @@ __all__ = [
 class StartupRefused(SnowflakeError):
     """Starting now could hand out ids already issued: the message says why and
     what the operator can do (fix the clock, wait, repair the state file)."""
+
+
+class StartupDeferred(SnowflakeError):
+    """Starting failed for a reason that passes by itself (a peer that cannot be
+    checked yet, ZooKeeper failing mid-start): nothing would be unsafe, but nothing
+    was served either. Exit 75 (``EX_TEMPFAIL``): a supervisor should try again
+    after a delay."""
+
+
+class StartupInterrupted(SnowflakeError):
+    """A stop (SIGTERM, SIGINT) arrived while the node was starting: what was opened
+    is closed again, no mark was written by a node that had not reserved, and the
+    process exits 0."""
 
 
 class ClockBehindMark(StartupRefused):

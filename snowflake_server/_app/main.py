@@ -8,9 +8,8 @@ report not ready, serve on for ``--drain-seconds``, then stop accepting, let
 calls in flight finish, write the exact final marks, delete the registration,
 exit 0. SIGHUP: reload the TLS files, reopen the audit trail and the log file.
 
-Exit codes: 0 after a signal, 2 for bad settings or a port in use, 3 when
-starting could repeat ids (clock far behind the mark, unusable state file,
-worker held by another process).
+Exit codes: see :class:`~snowflake_server._app.exits.ExitCode` (0 after a signal,
+2 for bad settings, 3 when starting could repeat ids, 75 to try again).
 """
 
 from __future__ import annotations
@@ -21,7 +20,8 @@ import sys
 from collections.abc import Sequence
 
 from .._config.options import load_settings
-from .._errors import ConfigurationError, StartupRefused
+from .._errors import ConfigurationError, StartupDeferred, StartupInterrupted, StartupRefused
+from .exits import ExitCode
 from .._observability.logs import configure_logging
 from .node import serve
 from .node_id import resolve_worker_id
@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = load_settings(argv, os.environ)
     except ConfigurationError as e:
         print(f"snowflake-server: error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIGURATION
     try:
         log_file = configure_logging(settings.logging)
         # Read from the machine once, here: a child of the supervisor gets its id as a
@@ -53,10 +53,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(settings, log_file, origin=origin)
     except ConfigurationError as e:
         print(f"snowflake-server: error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIGURATION
     except StartupRefused as e:
         print(f"snowflake-server: refusing to start: {e}", file=sys.stderr)
-        return 3
+        return ExitCode.UNSAFE
+    except StartupDeferred as e:
+        print(f"snowflake-server: cannot start now, try again: {e}", file=sys.stderr)
+        return ExitCode.TEMPFAIL
+    except StartupInterrupted as e:
+        print(f"snowflake-server: stopped while starting: {e}", file=sys.stderr)
+        return ExitCode.STOPPED
 
 
 if __name__ == "__main__":
