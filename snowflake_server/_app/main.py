@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 from .._config.options import load_settings
 from .._errors import ConfigurationError, StartupDeferred, StartupInterrupted, StartupRefused
-from .exits import ExitCode
 from .._observability.logs import configure_logging
+from .exits import ExitCode
 from .node import serve
 from .node_id import resolve_worker_id
 from .supervisor import Supervisor, die_with_supervisor, origin_from_supervisor

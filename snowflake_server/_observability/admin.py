@@ -24,6 +24,7 @@ import contextlib
 import io
 import json
 import logging
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -54,6 +55,7 @@ _REQUEST_TIMEOUT_S = 10.0
 _MAX_HEAD = 8192  # a request line and headers; a scrape's are a few hundred bytes
 _END = b"\r\n\r\n"
 _STOP_WAIT_S = 5.0
+_BACKLOG = 128
 
 
 class AdminServer(Collector):
@@ -61,7 +63,8 @@ class AdminServer(Collector):
 
     As a collector it reports the connections it closed unanswered (register it
     where they should be exported). Raises ``ConfigurationError`` if the address
-    cannot be used.
+    cannot be used. ``bound``: its socket, bound already (not listening); by default
+    it binds one.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class AdminServer(Collector):
         live: Live,
         max_connections: int = _MAX_CONNECTIONS,
         request_timeout: float = _REQUEST_TIMEOUT_S,
+        bound: socket.socket | None = None,
     ) -> None:
         self._metrics = make_wsgi_app(registry)
         self._ready = ready
@@ -82,7 +86,10 @@ class AdminServer(Collector):
         self.closed_full = 0  # closed to make room, or refused: max_connections were open
         self.closed_slow = 0  # no whole request, or its answer not taken, in time
         self.open: dict[_AdminConnection, None] = {}  # oldest first; loop thread only
-        self._sock = listen_socket(settings.host, settings.port, reuse_port=False, backlog=128)
+        if bound is None:
+            bound = listen_socket(settings.host, settings.port, reuse_port=False)
+        bound.listen(_BACKLOG)
+        self._sock = bound
         self._loop = asyncio.new_event_loop()
         self._stopping = asyncio.Event()  # set on the loop's thread
         self._thread = threading.Thread(target=self._run, name="admin-http", daemon=True)

@@ -131,7 +131,9 @@ class ThriftServer:
     ``make_processor`` builds the processor of one connection around that
     connection's stats. ``settings.idle_timeout`` closes a connection that
     sends nothing for that long (0: never). ``tls`` serves TLS (with client
-    certificates if the context requires them).
+    certificates if the context requires them). ``bound``: the Thrift and HTTP
+    sockets, bound already (by the node, before its start-up waits); by default
+    :meth:`bind` binds them.
     """
 
     def __init__(
@@ -143,8 +145,10 @@ class ThriftServer:
         tls: ssl.SSLContext | None = None,
         backlog: int = 1024,
         heartbeat: Callable[[], None] = lambda: None,
+        bound: tuple[socket.socket | None, socket.socket | None] | None = None,
     ) -> None:
         self._make_processor = make_processor
+        self._bound = bound
         self._metrics = metrics
         self._settings = settings
         self._tls = tls
@@ -167,13 +171,16 @@ class ThriftServer:
         return the address bound (the real port if 0 was asked). Raises
         ``ConfigurationError`` if the address cannot be used."""
         settings = self._settings
-        listener = listen_socket(settings.host, settings.port, reuse_port=settings.reuse_port)
+        listener, http = self._bound or (None, None)
+        if listener is None:
+            listener = listen_socket(settings.host, settings.port, reuse_port=settings.reuse_port)
         listener.setblocking(False)
         self._listener = listener
         if settings.http:
-            http = listen_socket(
-                settings.http_host, settings.http_port, reuse_port=settings.reuse_port
-            )
+            if http is None:
+                http = listen_socket(
+                    settings.http_host, settings.http_port, reuse_port=settings.reuse_port
+                )
             http.setblocking(False)
             self._http_listener = http
         _fit_open_files(settings.max_connections)
