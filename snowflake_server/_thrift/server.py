@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import resource
 import socket
@@ -71,7 +72,11 @@ def listen_socket(
             sock.listen(backlog)
     except OSError as e:
         sock.close()
-        raise ConfigurationError(f"cannot listen on {host}:{port}: {e}") from None
+        raise ConfigurationError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}"
+            + (" (another process has it: stop it, or choose another port)"
+               if e.errno == errno.EADDRINUSE else "")
+        ) from None  # fmt: skip
     return sock
 
 

@@ -56,7 +56,7 @@ def test_a_stop_during_the_first_start_wait_writes_no_mark_and_the_next_start_wa
         process, stderr, _ = spawn_server(state_dir=state_dir, first_start_wait=_LONG_WAIT)
         with stderr:
             wait_until(
-                lambda: "waiting --first-start-wait" in log_of(stderr),
+                lambda log=stderr: "waiting --first-start-wait" in log_of(log),  # type: ignore[misc]
                 f"the {attempt} start waits --first-start-wait",
             )
             code, took = stopped_within(process, _STOP_WITHIN_S)
