@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.UNSAFE
     except StartupDeferred as e:
         print(f"snowflake-server: cannot start now, try again: {e}", file=sys.stderr)
-        return ExitCode.TEMPFAIL
+        return ExitCode.TRY_AGAIN
     except StartupInterrupted as e:
         print(f"snowflake-server: stopped while starting: {e}", file=sys.stderr)
         return ExitCode.STOPPED
