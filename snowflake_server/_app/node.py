@@ -142,15 +142,16 @@ def clustered(
             client_factory=client_factory,
         )
         mode.details = cluster.details
+        # Closed before the Thrift server and the audit trail, as the worker is: calls
+        # still in flight then meet a sealed generator, not an id nobody audits. Deferred
+        # before connecting: a start that fails or is stopped from here on deregisters.
+        defer(cluster.close)
         # Set before the check: a stop asked from now on reaches the cluster's waits.
         mode.interrupt = cluster.interrupt
         if stopping.is_set():
             raise StartupInterrupted("asked to stop before joining the cluster")
-        cluster.connect()
-        # Closed before the Thrift server and the audit trail, as the worker is: calls
-        # still in flight then meet a sealed generator, not an id nobody audits.
-        defer(cluster.close)
         try:
+            cluster.connect()
             cluster.check_peers()
             cluster.register()
         except (KazooException, KazooTimeoutError) as e:
