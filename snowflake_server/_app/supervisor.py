@@ -247,6 +247,10 @@ class _Child:
         except urllib.error.HTTPError as e:
             with e:
                 return e.code, e.read().decode()
+        except urllib.error.URLError as e:  # what a connect's failure is wrapped in
+            return 503, _NO_ANSWER if isinstance(e.reason, TimeoutError) else str(e.reason)
+        except TimeoutError:
+            return 503, _NO_ANSWER
         except OSError as e:
             return 503, str(e)
 
