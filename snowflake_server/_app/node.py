@@ -47,7 +47,7 @@ from .._observability.probes import Check, Liveness, Readiness
 from .._state.reservation import MarkStore
 from .._state.worker import CurrentReservation, Worker, WorkerSlot
 from .._thrift.handler import Processor, SnowflakeHandler, service_methods
-from .._thrift.server import ThriftServer, listen_socket
+from .._thrift.server import ThriftServer, check_open_files, listen_socket
 from .._thrift.tls import server_context
 from .._version import __version__
 from .node_id import WorkerIdOrigin, configured_origin
@@ -234,6 +234,7 @@ class Node:
         listening (a connection attempt is refused until the node can serve; the
         Thrift port is bound so that peers can dial us once we are registered)."""
         thrift, admin = self.settings.thrift, self.settings.admin
+        check_open_files(thrift.max_connections)  # a limit too low is a setting: refuse now
         ports = _Ports()
         self._cleanup.callback(ports.close)  # the servers close them too, once given
         ports.thrift = listen_socket(thrift.host, thrift.port, reuse_port=thrift.reuse_port)

@@ -40,13 +40,22 @@ from .._observability.metrics import ConnectionStats, ServiceMetrics
 from .connection import Connection, Shared
 from .handler import Processor
 
-__all__ = ["ThriftServer", "listen_socket", "new_event_loop", "started_threads"]
+__all__ = [
+    "SPARE_FDS",
+    "ThriftServer",
+    "check_open_files",
+    "listen_socket",
+    "new_event_loop",
+    "started_threads",
+]
 
 log = logging.getLogger(__name__)
 
 _REJECT_LOG_EVERY_S = 10.0
 _WAIT_THREADS = 4  # calls that must wait (clock stepped back, reservation) run on these
-_SPARE_FDS = 64  # files besides client connections: listener, logs, state, ZooKeeper
+SPARE_FDS = 128
+"""Files besides client connections: the admin endpoint's 64 connections and listener,
+the listeners, logs, state files, ZooKeeper, the event loop's own."""
 _AFTER_ABORT_S = 1.0
 _BEAT_EVERY_S = 1.0
 
@@ -90,21 +99,25 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def _fit_open_files(connections: int) -> None:
-    """Raise this process's soft limit on open files to fit ``connections`` (never
-    past the hard limit, never system-wide)."""
+def check_open_files(connections: int) -> None:
+    """Raise this process's soft limit on open files to fit ``connections`` client
+    connections and the files the server needs besides (never past the hard limit,
+    never system-wide). Raises ``ConfigurationError`` if the hard limit is too low:
+    a server out of files fails its high-water mark writes and its probes.
+
+    Call it first thing: it waits for nothing."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = connections + _SPARE_FDS
+    wanted = connections + SPARE_FDS
     if soft == resource.RLIM_INFINITY or soft >= wanted:
         return
-    new_soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    if new_soft > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
-    if new_soft < wanted:
-        log.warning(
-            "--max-connections %d needs %d open files; the hard limit allows %d",
-            connections, wanted, hard,
-        )  # fmt: skip
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        raise ConfigurationError(
+            f"--max-connections {connections} needs {wanted} open files ({SPARE_FDS} "
+            f"besides the connections), but the open-file limit is {soft} (soft) / {hard} "
+            f"(hard): raise it (`ulimit -n {wanted}`; LimitNOFILE={wanted} in a systemd "
+            f"unit) or lower --max-connections to {max(1, hard - SPARE_FDS)} or less"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def started_threads(count: int, name: str) -> ThreadPoolExecutor:
@@ -188,7 +201,7 @@ class ThriftServer:
                 )
             http.setblocking(False)
             self._http_listener = http
-        _fit_open_files(settings.max_connections)
+        check_open_files(settings.max_connections)
         host, port = listener.getsockname()[:2]
         return host, port
 
