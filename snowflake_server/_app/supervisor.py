@@ -50,7 +50,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from .._config.options import OPTIONS, worker_id_text
 from .._config.settings import ServerSettings
-from .._errors import ConfigurationError, StartupRefused
+from .._errors import ConfigurationError, StartupDeferred, StartupInterrupted, StartupRefused
 from .._observability.admin import AdminServer
 from .._observability.logs import LogFile
 from .._observability.metrics import counter_by
@@ -75,6 +75,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _START_TIMEOUT_S = 60.0  # a child may wait for its clock (--max-startup-wait) and ZooKeeper
+# A process that did not start, by its exit code: what the supervisor raises (and so
+# how it exits). Anything else (a crash, a refusal) is a refusal.
+_EXITED_AS: dict[int | None, type[Exception]] = {
+    0: StartupInterrupted,
+    2: ConfigurationError,
+    75: StartupDeferred,
+}
 _STOP_TIMEOUT_S = 10.0
 _POLL_EVERY_S = 0.5  # a supervision round
 _POLL_TIMEOUT_S = (
@@ -212,7 +219,10 @@ class _Child:
         if self.metrics:
             return
         code = self.reap()
-        raise StartupRefused(
+        # The supervisor exits as its child did: a bad setting is not a danger, a
+        # stop is not a failure (see ExitCode).
+        error = _EXITED_AS.get(code, StartupRefused)
+        raise error(
             f"process {self.index} (worker {self.settings.worker_id}) did not start "
             f"(exit code {code}); its error is above"
         )
@@ -333,6 +343,7 @@ class Supervisor(Collector):
         self._log_file = log_file
         self._clock = clock
         self._stop = threading.Event()
+        self._serving = threading.Event()  # every process started: a stop drains now
         self._children: list[_Child] = []
         self._readiness = Readiness()  # its phase; the children's own checks are theirs
         self._notifier = Notifier(os.environ)
@@ -381,13 +392,21 @@ class Supervisor(Collector):
             holders.append(listen_socket(settings.http_host, settings.http_port, reuse_port=True))
         port = holders[0].getsockname()[1]
         http_port = holders[1].getsockname()[1] if len(holders) > 1 else settings.http_port
+        # From the start: a SIGTERM while the processes start stops them cleanly.
+        on_signal(signal.SIGTERM, self._on_stop)
+        on_signal(signal.SIGINT, self._on_stop)
+        on_signal(signal.SIGHUP, lambda _name: self._reload())
         try:
             for index in range(settings.processes):
+                if self._stop.is_set():
+                    break
                 child = _Child(index, self._child_settings(index, port, http_port), self._origin)
                 self._children.append(child)
                 child.spawn(self._clock())
             for child in self._children:
                 child.wait_ready()
+            if self._stop.is_set():
+                raise StartupInterrupted("asked to stop while the processes were starting")
         except BaseException:
             self._stop_children()
             raise
@@ -404,9 +423,7 @@ class Supervisor(Collector):
             raise
         admin.start()
         self._readiness.serving()
-        on_signal(signal.SIGTERM, self._on_stop)
-        on_signal(signal.SIGINT, self._on_stop)
-        on_signal(signal.SIGHUP, lambda _name: self._reload())
+        self._serving.set()
         metrics_host, metrics_port = admin.address
         log.info("%d processes serving on %s:%d", settings.processes, settings.host, port)
         http = (settings.http_host, http_port) if settings.thrift.http else None
@@ -441,6 +458,12 @@ class Supervisor(Collector):
         return f"the supervision loop has not completed a round for {stalled:.1f} s"
 
     def _on_stop(self, name: str) -> None:
+        if not self._serving.is_set():
+            # Nothing to drain: each process ends its start-up waits and exits 0.
+            log.info("received %s while starting: stopping the processes", name)
+            self._stop.set()
+            self._signal_children(signal.SIGTERM)
+            return
         if self._stop.is_set():
             # Again: pass it on, so that each process skips the rest of its drain.
             log.info("received %s again: stopping %d processes now", name, len(self._children))

@@ -20,7 +20,7 @@ from typing import IO
 import pytest
 
 from tests.support.endpoints import free_port
-from tests.support.processes import spawn_server, start_server
+from tests.support.processes import child_pids, spawn_server, start_server
 from tests.support.waiting import wait_until
 
 # A stop must end start-up within this (the bound); the long waits below would
@@ -111,3 +111,23 @@ def test_a_port_in_use_fails_at_once_not_after_the_first_start_wait(port: str) -
     assert code == 2, f"exit {code}\n{log}"
     assert f"cannot listen on 127.0.0.1:{number}" in log
     assert "waiting --first-start-wait" not in log, "it waited before finding the port taken"
+
+
+def test_a_stop_while_the_supervisor_s_processes_start_stops_them_all(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    process, stderr, _ = spawn_server(
+        "--processes", "2", state_dir=state_dir, first_start_wait=_LONG_WAIT
+    )
+    with stderr:
+        wait_until(
+            lambda: log_of(stderr).count("waiting --first-start-wait") == 2,
+            "both processes wait --first-start-wait",
+        )
+        children = child_pids(process.pid)
+        code, took = stopped_within(process, _STOP_WITHIN_S)
+        assert process.stdout is not None
+        process.stdout.close()
+        log = log_of(stderr)
+    assert (code, took < _STOP_WITHIN_S) == (0, True), f"exit {code} after {took:.2f} s\n{log}"
+    assert len(children) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in children)
+    assert list(state_dir.glob("worker-*.json")) == [], "a mark was written while waiting"
