@@ -23,11 +23,13 @@ from typing import Any
 
 import pytest
 import yaml
+from kazoo.client import KazooClient
 from snowflake_thrift_client import UnavailableError, decompose
 
 from tests.support.endpoints import take_ids
 from tests.support.processes import ServerDidNotStart, ServerProcess, parse_metrics, start_server
 from tests.support.waiting import wait_until
+from tests.support.zookeeper import ZooKeeper
 
 STATEFULSET = Path(__file__).parents[2] / "deploy/kubernetes/standalone/statefulset.yaml"
 
@@ -280,3 +282,28 @@ def test_a_state_dir_the_server_may_not_write_is_a_configuration_error(
     else:
         server.stop()
         pytest.fail(f"it started:\n{server.log()}")
+
+
+@pytest.mark.zookeeper
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a state directory of another user")
+def test_worker_id_auto_does_not_skip_past_an_unsafe_state_dir(
+    zookeeper: ZooKeeper, zk: KazooClient, zk_path: str, tmp_path: Path
+) -> None:
+    """``--worker-id auto`` skips a worker id whose mark it cannot honour (exit 3 causes);
+    a state directory that is not the server's own is no such cause: no worker id would
+    do, so it ends the start (exit 2) and gives back the id it leased."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    os.chown(state_dir, 10002, 10002)
+    flags = ("--zookeeper", zookeeper.hosts, "--zk-path", zk_path, "--worker-id", "auto",
+             "--zk-connect-timeout", "5", "--skip-sanity-checks")  # fmt: skip
+    try:
+        server = start_server(*flags, state_dir=state_dir)
+    except ServerDidNotStart as refused:
+        assert refused.returncode == 2, refused.log
+        assert "it belongs to another user (uid 10002)" in refused.log, refused.log
+        assert "skipping worker id" not in refused.log
+    else:
+        server.stop()
+        pytest.fail(f"it started:\n{server.log()}")
+    assert not zk.get_children(f"{zk_path}/nodes/0"), "the leased id is given back"
