@@ -61,7 +61,11 @@ def test_a_port_in_use_is_a_configuration_error_and_nothing_stays_open(tmp_path:
         taken.listen()
         port = taken.getsockname()[1]
         settings = ServerSettings(
-            port=port, state_dir=str(tmp_path), first_start_wait=0, host_lock_scope=unique_scope()
+            port=port,
+            metrics_port=0,  # never a default port: another server may hold it
+            state_dir=str(tmp_path),
+            first_start_wait=0,
+            host_lock_scope=unique_scope(),
         )
         with pytest.raises(ConfigurationError, match=f"cannot listen on 127.0.0.1:{port}"):
             Node(settings).start()
@@ -76,6 +80,9 @@ def test_an_unreachable_zookeeper_is_a_refusal_and_releases_the_port(tmp_path: P
         zk_connect_timeout=0.5,
         state_dir=str(tmp_path),
         port=free_port(),
+        # The admin endpoint listens before ZooKeeper is dialled: never on the default
+        # 9990, which a server running on this machine holds.
+        metrics_port=0,
         first_start_wait=0,
         host_lock_scope=unique_scope(),
     )

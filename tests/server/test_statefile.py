@@ -1,10 +1,14 @@
-"""The state file: atomic, strict about corruption, locked per worker."""
+"""The state file: atomic, whole or not at all, strict about corruption, locked per worker,
+in a directory of the server's own, never written through a link."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -13,8 +17,9 @@ from pathlib import Path
 import pytest
 from snowflake_thrift_client import TWITTER_EPOCH_MS, Layout
 
-from snowflake_server import StartupRefused
-from snowflake_server._state.statefile import StateFile, default_state_dir
+from snowflake_server import ConfigurationError, ReservationError, StartupRefused
+from snowflake_server._state.reservation import Reservation
+from snowflake_server._state.statefile import StateFile, _unusable_dir, default_state_dir
 
 TWITTER = {
     "epoch_ms": TWITTER_EPOCH_MS,
@@ -163,11 +168,255 @@ def test_an_unreadable_file_is_a_refusal(tmp_path: Path) -> None:
     state.close()
 
 
-def test_an_unusable_directory_is_a_refusal(tmp_path: Path) -> None:
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    with pytest.raises(StartupRefused, match="cannot use state directory"):
-        StateFile.open(blocker / "sub", 0, 0)
+@pytest.mark.parametrize("where", ["file", "file/sub"])
+def test_a_file_where_the_directory_should_be_is_a_configuration_error(
+    tmp_path: Path, where: str
+) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigurationError) as info:
+        StateFile.open(tmp_path / where, 0, 0)
+    message = str(info.value)
+    assert f"cannot use state directory {tmp_path / where}: Not a directory" in message
+    assert "a file is where a directory should be" in message and "--state-dir" in message
+
+
+def test_a_directory_that_cannot_be_made_is_a_configuration_error(tmp_path: Path) -> None:
+    (tmp_path / "nowhere").symlink_to(tmp_path / "missing")  # a dangling link as a parent
+    with pytest.raises(ConfigurationError, match=r"cannot use state directory .*File exists"):
+        StateFile.open(tmp_path / "nowhere" / "sub", 0, 0)
+
+
+def test_a_missing_state_dir_is_created_for_this_user_only(tmp_path: Path) -> None:
+    StateFile.open(tmp_path / "a" / "b", 0, 0).close()
+    assert stat.S_IMODE((tmp_path / "a" / "b").stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_symlinked_state_dir_is_a_configuration_error(tmp_path: Path, dangling: bool) -> None:
+    real = tmp_path / "real"
+    if not dangling:
+        real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(ConfigurationError) as info:
+        StateFile.open(tmp_path / "link", 0, 0)
+    assert f"state directory {tmp_path / 'link'} is a symbolic link" in str(info.value)
+    assert f"Give --state-dir the directory itself ({real})" in str(info.value)
+    assert not (real / "worker-0-0.lock").exists()
+
+
+@pytest.mark.parametrize(
+    ("mode", "owner", "problem", "fix"),
+    [
+        (0o777, (0, 0), "every user may write to it", "chmod o-w"),
+        (0o1777, (0, 0), "every user may write to it", "chmod o-w"),  # sticky, as /tmp
+        (0o700, (10002, 0), "it belongs to another user (uid 10002)", "chown 0"),
+        (0o2775, (10002, 10002), "it belongs to another user (uid 10002)", "chown 0"),
+        (0o770, (0, 10002), "group 10002 may write to it and this server's user", "chmod g-w"),
+    ],
+)
+def test_a_state_dir_others_may_write_to_is_a_configuration_error(
+    tmp_path: Path, mode: int, owner: tuple[int, int], problem: str, fix: str
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: to give the directory to another user")
+    directory = tmp_path / "state"
+    directory.mkdir()
+    os.chown(directory, *owner)
+    directory.chmod(mode)
+    with pytest.raises(ConfigurationError) as info:
+        StateFile.open(directory, 0, 0)
+    message = str(info.value)
+    assert f"state directory {directory} is not this server's own: {problem}" in message
+    assert f"owner uid {owner[0]}, group gid {owner[1]}, mode {mode:04o}" in message
+    assert f"Fix: {fix} {directory}" in message and "this server runs as uid 0" in message
+    assert not list(directory.iterdir()), "refused before creating anything in it"
+
+
+def test_a_state_dir_of_root_and_this_user_s_group_is_accepted(tmp_path: Path) -> None:
+    """The shape of a Kubernetes volume under fsGroup, as root sees it (the real thing,
+    another uid: tests/acceptance/test_state_dir.py)."""
+    directory = tmp_path / "state"
+    directory.mkdir()
+    directory.chmod(0o2775)
+    os.chown(directory, 0, os.getegid())
+    StateFile.open(directory, 0, 0).close()
+
+
+def test_the_unusable_directory_messages_say_what_to_do(tmp_path: Path) -> None:
+    """Errors root never meets in a test: their messages still say the fix."""
+    denied = str(_unusable_dir(tmp_path, PermissionError(errno.EACCES, "Permission denied")))
+    assert f"cannot use state directory {tmp_path}: Permission denied" in denied
+    assert f"chown {os.geteuid()}:{os.getegid()} {tmp_path}" in denied
+    read_only = str(_unusable_dir(tmp_path, OSError(errno.EROFS, "Read-only file system")))
+    assert read_only.endswith("Read-only file system; choose another --state-dir")
+
+
+def test_a_symlinked_state_file_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    state = StateFile.open(tmp_path, 0, 0)
+    state.load()
+    state.advance(1000)
+    state.close()
+    victim = tmp_path / "elsewhere.json"
+    (tmp_path / "worker-0-0.json").rename(victim)
+    before = victim.read_bytes()
+    (tmp_path / "worker-0-0.json").symlink_to(victim)
+    for discard in (False, True):  # a link is no corrupt file: never discarded
+        state = StateFile.open(tmp_path, 0, 0)
+        try:
+            with pytest.raises(ConfigurationError) as info:
+                state.load(discard_corrupt=discard)
+        finally:
+            state.close()
+        message = str(info.value)
+        assert (
+            f"state file {tmp_path / 'worker-0-0.json'} is a symbolic link (to {victim})" in message
+        )
+        assert "cp --remove-destination" in message
+    assert victim.read_bytes() == before
+
+
+def test_a_state_file_that_is_no_regular_file_is_a_refusal(tmp_path: Path) -> None:
+    (tmp_path / "worker-0-0.json").mkdir()
+    os.mkfifo(tmp_path / "worker-0-1.json")  # opened without blocking: no writer needed
+    for worker_id in (0, 1):
+        state = StateFile.open(tmp_path, 0, worker_id)
+        with pytest.raises(StartupRefused, match="unusable: not a regular file"):
+            state.load()
+        assert state.load(discard_corrupt=True) is None
+        state.close()
+
+
+def test_a_state_file_that_cannot_be_opened_is_a_refusal(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_UNIX) as sock:  # open(2) of a socket: ENXIO
+        sock.bind(str(tmp_path / "worker-0-0.json"))
+        state = StateFile.open(tmp_path, 0, 0)
+        with pytest.raises(StartupRefused, match="cannot read it: No such device or address"):
+            state.load()
+        state.close()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory", "fifo"])
+def test_a_lock_file_that_is_no_regular_file_is_a_configuration_error(
+    tmp_path: Path, kind: str
+) -> None:
+    lock = tmp_path / "worker-0-0.lock"
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    if kind == "symlink":
+        lock.symlink_to(victim)
+    elif kind == "directory":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    with pytest.raises(ConfigurationError) as info:
+        StateFile.open(tmp_path, 0, 0)
+    assert f"lock file {lock}" in str(info.value)
+    assert f"remove it (rm -r {lock}) and the server creates its own" in str(info.value)
+    assert victim.read_text() == "precious"
+
+
+def test_a_planted_tmp_link_is_removed_not_written_through(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "worker-0-0.json.tmp").symlink_to(victim)
+    state = StateFile.open(tmp_path, 0, 0)
+    state.load()
+    assert state.advance(1000) == 1000
+    state.close()
+    assert victim.read_text() == "precious"
+    assert json.loads((tmp_path / "worker-0-0.json").read_text())["high_water_mark_ms"] == 1000
+    assert not (tmp_path / "worker-0-0.json.tmp").exists()
+
+
+def test_a_tmp_name_that_cannot_be_cleared_fails_the_write(tmp_path: Path) -> None:
+    state = StateFile.open(tmp_path, 0, 0)
+    state.load()
+    state.advance(1000)
+    (tmp_path / "worker-0-0.json.tmp").mkdir()
+    with pytest.raises(OSError, match="Is a directory"):
+        state.advance(2000)
+    assert state.mark_ms == 1000 and state.write_errors == 1
+    state.close()
+
+
+class ShortWrites:
+    """An ``os.write`` that stores at most ``each`` bytes per call, and fails (``error``)
+    or stores nothing once ``limit`` bytes are written: a file-size limit, a full disk."""
+
+    def __init__(self, each: int, limit: int | None = None, error: int | None = None) -> None:
+        self.each, self.limit, self.error = each, limit, error
+        self.written = 0
+
+    def __call__(self, fd: int, data: memoryview) -> int:
+        room = len(data) if self.limit is None else self.limit - self.written
+        if room <= 0:
+            if self.error is not None:
+                raise OSError(self.error, os.strerror(self.error))
+            return 0
+        written = os.write(fd, data[: min(self.each, room)])
+        self.written += written
+        return written
+
+
+def test_short_writes_are_carried_on_until_the_whole_record_is_stored(tmp_path: Path) -> None:
+    state = StateFile.open(tmp_path, 0, 0)
+    state.load()
+    state.writer = ShortWrites(each=7)
+    assert state.advance(1000) == 1000
+    state.close()
+    again = StateFile.open(tmp_path, 0, 0)
+    assert again.load() == 1000
+    again.close()
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (errno.EFBIG, "File too large"),
+        (errno.ENOSPC, "No space left on device"),
+        (errno.EIO, "Input/output error"),
+        (None, "a write stored nothing"),
+    ],
+)
+def test_a_write_cut_short_fails_and_leaves_the_good_file(
+    tmp_path: Path, error: int | None, said: str
+) -> None:
+    """The issue: a file cut at 120 bytes was renamed over the good one, and the
+    next start refused it (exit 3)."""
+    state = StateFile.open(tmp_path, 0, 0)
+    state.load()
+    state.advance(1000)
+    good = (tmp_path / "worker-0-0.json").read_bytes()
+    state.writer = ShortWrites(each=4096, limit=120, error=error)
+    with pytest.raises(OSError, match="the state file is unchanged") as info:
+        state.advance(2000)
+    assert said in str(info.value)
+    assert (tmp_path / "worker-0-0.json").read_bytes() == good
+    assert not (tmp_path / "worker-0-0.json.tmp").exists()
+    assert state.mark_ms == 1000 and (state.writes, state.write_errors) == (1, 1)
+    state.close()
+    again = StateFile.open(tmp_path, 0, 0)
+    assert again.load() == 1000
+    again.close()
+
+
+def test_a_short_write_fails_the_reservation_and_says_why(tmp_path: Path) -> None:
+    """What /readyz and the calls past the reserved mark report (worker.py:
+    ``unavailable_reason``)."""
+    now = 1_700_000_000_000
+    state = StateFile.open(tmp_path, 0, 0)
+    state.load()
+    reservation = Reservation([(state, 1000)], lambda: now)
+    assert reservation.reserve(now) == now + 1000
+    state.writer = ShortWrites(each=4096, limit=120, error=errno.EFBIG)
+    with pytest.raises(ReservationError, match="File too large") as info:
+        reservation.reserve(now + 2000)
+    assert f"cannot write the high-water mark to {tmp_path / 'worker-0-0.json'}" in str(info.value)
+    assert reservation.failing is not None and "File too large" in reservation.failing
+    state.close()
+    again = StateFile.open(tmp_path, 0, 0)
+    assert again.load() == now + 1000, "the good mark stays"
+    again.close()
 
 
 def test_default_dir_follows_xdg() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from snowflake_server import (
+    ConfigurationError,
     GeneratorCounters,
     ReservationError,
     ServerSettings,
@@ -218,7 +219,7 @@ def test_a_failed_open_releases_the_host_lock(tmp_path: Path) -> None:
     clock = FakeClock(T0)
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(StartupRefused, match="cannot use state directory"):
+    with pytest.raises(ConfigurationError, match="cannot use state directory"):
         open_worker(tmp_path, clock, state_dir=str(blocker / "sub"))
     held = open_worker(tmp_path, clock)  # the state file lock: refused after the host lock
     try:
