@@ -131,3 +131,22 @@ def test_a_stop_while_the_supervisor_s_processes_start_stops_them_all(tmp_path: 
     assert (code, took < _STOP_WITHIN_S) == (0, True), f"exit {code} after {took:.2f} s\n{log}"
     assert len(children) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in children)
     assert list(state_dir.glob("worker-*.json")) == [], "a mark was written while waiting"
+
+
+def test_the_supervisor_exits_as_a_process_that_did_not_start(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    process, stderr, _ = spawn_server("--processes", "2", state_dir=not_a_dir)
+    with stderr:
+        try:
+            code = process.wait(30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        assert process.stdout is not None
+        process.stdout.close()
+        log = log_of(stderr)
+    # A setting the operator must fix (2), not "starting could repeat ids" (3).
+    assert code == 2, f"exit {code}\n{log}"
+    assert "did not start (exit code 2)" in log
