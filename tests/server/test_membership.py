@@ -686,7 +686,7 @@ def record_layout(zk: KazooClient, zk_path: str, **bits: int) -> None:
     """The cluster's layout recorded (ours, but for ``bits``), as its nodes would have:
     the marks of another layout below are leftovers the layout znode does not speak for
     (without it, the layout of the marks would be recorded and ours refused)."""
-    data = json.dumps(layout_to_json(Layout(**bits)), sort_keys=True).encode()  # type: ignore[arg-type]
+    data = json.dumps(layout_to_json(Layout(**bits)), sort_keys=True).encode()
     zk.create(f"{zk_path}/layout", data, makepath=True)
 
 
