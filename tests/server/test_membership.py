@@ -737,6 +737,165 @@ def test_a_layout_znode_that_is_not_a_layout_refuses(
         member(worker_id=2).join()
 
 
+def layout_of(zk: KazooClient, zk_path: str) -> Layout:
+    return Layout(**json.loads(zk.get(f"{zk_path}/layout")[0]))
+
+
+def test_a_missing_layout_is_recorded_from_the_marks_not_from_the_newcomer(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    """Issue 22, item 5: with the layout znode deleted, a node of other widths and
+    --skip-sanity-checks recorded its own layout, started and served beside the others."""
+    first = member(worker_id=2).join()
+    zk.delete(f"{zk_path}/layout")
+    second = member(worker_id=1, skip_sanity_checks=True, **OTHER_LAYOUT)
+    with pytest.raises(StartupRefused) as info:
+        second.join()
+    assert str(info.value).startswith(
+        f"Layout insanity: this node would make ids with {NARROW}, but the cluster "
+        f"({zk_path}/layout, recorded from its marks) makes them with {DEFAULT}"
+    )
+    assert layout_of(zk, zk_path) == Layout(), "recorded again: the marks' layout"
+    assert zk.exists(f"{zk_path}/nodes/0/1") is None and not second.slot.serving
+    assert first.slot.serving
+
+
+def test_marks_of_two_layouts_and_no_layout_znode_refuse_naming_them(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    zk.create(f"{zk_path}/marks/0/0", other_layouts_mark(T0, 1288834974657), makepath=True)
+    zk.create(f"{zk_path}/marks/1/3", other_layouts_mark(T0, 1288834974657, worker_id_bits=4),
+              makepath=True)  # fmt: skip
+    zk.create(f"{zk_path}/marks/1/4", str(T0).encode())  # 0.1.0's: no layout, not counted
+    with pytest.raises(StartupRefused) as info:
+        member(worker_id=2).join()
+    assert str(info.value) == (
+        f"the cluster's layout znode {zk_path}/layout is missing and the high-water marks "
+        f"were made under 2 layouts ({DEFAULT}: marks/0/0; epoch 1288834974657 ms, bits "
+        "41/5/4/12 (timestamp/datacenter/worker/sequence): marks/1/3); two layouts in one "
+        f"cluster hand out the same ids: repair it by hand (record the cluster's layout in "
+        f"{zk_path}/layout)"
+    )
+    assert zk.exists(f"{zk_path}/layout") is None
+
+
+def test_a_layout_recorded_by_another_node_meanwhile_counts(
+    member: Make, zk: KazooClient, zk_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two first nodes at once: the one that records its layout second reads the other's."""
+    read_marks = Cluster._marks_layouts
+
+    def others_first(self: Cluster) -> dict[Layout, list[str]]:
+        found = read_marks(self)
+        record_layout(zk, zk_path, **OTHER_LAYOUT)  # the other first node, meanwhile
+        return found
+
+    monkeypatch.setattr(Cluster, "_marks_layouts", others_first)
+    with pytest.raises(StartupRefused, match=f"makes them with {re.escape(NARROW)}"):
+        member(worker_id=2).join()
+
+
+def test_a_running_node_records_a_deleted_layout_again(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
+) -> None:
+    node = member(worker_id=2).join()
+    zk.delete(f"{zk_path}/layout")
+    node.tick()
+    assert layout_of(zk, zk_path) == Layout()
+    log_events.wait_for(f"the cluster's layout znode {zk_path}/layout was gone: recorded it")
+    assert node.slot.serving
+
+
+@pytest.mark.parametrize("written", ["another-layout", "not-a-layout"])
+def test_a_wrong_layout_written_to_the_znode_is_written_back(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents, written: str
+) -> None:
+    """One bad write must not stop the cluster: every mark says the record is wrong."""
+    a, b = member(worker_id=2).join(), member(worker_id=3).join()
+    bad = b"41/5/4/13" if written == "not-a-layout" else json.dumps(
+        layout_to_json(Layout(**OTHER_LAYOUT))).encode()  # fmt: skip
+    zk.set(f"{zk_path}/layout", bad)
+    a.tick()
+    assert layout_of(zk, zk_path) == Layout()
+    shown = "something that is not a layout" if written == "not-a-layout" else NARROW
+    log_events.wait_for(
+        f"the cluster's layout znode {zk_path}/layout said {shown}, but every high-water mark "
+        f"was made with {DEFAULT} (this node's): wrote it back"
+    )
+    b.tick()
+    assert a.slot.serving and b.slot.serving
+
+
+def test_only_a_node_whose_layout_is_not_the_recorded_one_stops_issuing(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
+) -> None:
+    """Two layouts running (the guard had holes): the record decides which one stops."""
+    narrow = member(worker_id=3, **OTHER_LAYOUT).join()  # the first: its layout recorded
+    record = f"{zk_path}/layout"
+    zk.set(record, json.dumps(layout_to_json(Layout())).encode())
+    default = member(worker_id=2).join()  # the layout recorded now: it starts
+    narrow.tick()
+    reason = (
+        f"this node's layout ({NARROW}) is not the cluster's, recorded in {record} "
+        f"({DEFAULT}); two layouts in one cluster hand out the same ids"
+    )
+    assert narrow.slot.unavailable_reason() == f"this node is not handing out ids: {reason}"
+    log_events.wait_for(f"stopped handing out ids: {reason}")
+    with pytest.raises(UnavailableError):
+        narrow.slot.next_id()
+    default.tick()
+    assert default.slot.serving, "the others keep serving"
+    narrow.gate.advance(1)
+    narrow.tick()  # a heartbeat proves the session, but the gate stays closed
+    assert not narrow.slot.serving
+    zk.set(record, json.dumps(layout_to_json(Layout(**OTHER_LAYOUT))).encode())
+    narrow.tick()
+    log_events.wait_for(f"the cluster's layout in {record} is this node's again: serving")
+    narrow.tick()
+    assert narrow.slot.serving
+    default.tick()
+    assert not default.slot.serving
+
+
+def test_a_layout_changed_again_while_being_written_back_is_read_at_the_next_tick(
+    member: Make, zk: KazooClient, zk_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = member(worker_id=2).join()
+    record = f"{zk_path}/layout"
+    zk.set(record, b"garbage")
+    read_marks = Cluster._marks_layouts
+
+    def written_meanwhile(self: Cluster) -> dict[Layout, list[str]]:
+        found = read_marks(self)
+        zk.set(record, b"more garbage")  # another write between our read and our write
+        return found
+
+    monkeypatch.setattr(Cluster, "_marks_layouts", written_meanwhile)
+    node.tick()
+    assert zk.get(record)[0] == b"more garbage", "not overwritten blindly"
+    monkeypatch.undo()
+    node.tick()
+    assert layout_of(zk, zk_path) == Layout()
+
+
+def test_a_deleted_layout_recorded_by_another_node_first_is_left_to_it(
+    member: Make, zk: KazooClient, zk_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = member(worker_id=2).join()
+    record = f"{zk_path}/layout"
+    zk.delete(record)
+    real_create = node.client.create_async
+
+    def created_meanwhile(path: str, *args: Any, **kwargs: Any) -> Any:
+        if path == record:
+            zk.create(record, b"another node's")
+        return real_create(path, *args, **kwargs)
+
+    monkeypatch.setattr(node.client, "create_async", created_meanwhile)
+    node.tick()
+    assert zk.get(record)[0] == b"another node's"
+
+
 def test_a_static_id_whose_mark_has_another_layout_is_refused(
     member: Make, zk: KazooClient, zk_path: str
 ) -> None:
