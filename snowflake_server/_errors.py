@@ -4,7 +4,7 @@
 
     SnowflakeError                          (snowflake_thrift_client)
     ├── ConfigurationError                  bad settings, found at start-up (also a ValueError)
-    ├── StartupRefused                      starting now could repeat ids: state file, clock (exit 3)
+    ├── StartupRefused                      starting could repeat ids: state file, clock (exit 3)
     ├── StartupDeferred                     cannot start yet, nothing unsafe: try again (exit 75)
     ├── StartupInterrupted                  a stop signal arrived while starting (exit 0)
     ├── TimestampOverflowError              the layout's timestamp bits ran out

@@ -26,6 +26,6 @@ class ExitCode(enum.IntEnum):
     """Starting could hand out ids already issued (clock far behind a mark, an unusable
     state file, the worker id held by another process on this host, another layout):
     the operator must act; restarting in a loop cannot help."""
-    TEMPFAIL = 75
+    TRY_AGAIN = 75
     """``EX_TEMPFAIL``: starting cannot complete now but nothing is unsafe (a peer that
     cannot be checked yet, ZooKeeper failing mid-start): try again after a delay."""

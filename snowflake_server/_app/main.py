@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 from .._config.options import load_settings
 from .._errors import ConfigurationError, StartupDeferred, StartupInterrupted, StartupRefused
-from .exits import ExitCode
 from .._observability.logs import configure_logging
+from .exits import ExitCode
 from .node import serve
 from .node_id import resolve_worker_id
 from .supervisor import Supervisor, die_with_supervisor, origin_from_supervisor
@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.UNSAFE
     except StartupDeferred as e:
         print(f"snowflake-server: cannot start now, try again: {e}", file=sys.stderr)
-        return ExitCode.TEMPFAIL
+        return ExitCode.TRY_AGAIN
     except StartupInterrupted as e:
         print(f"snowflake-server: stopped while starting: {e}", file=sys.stderr)
         return ExitCode.STOPPED

@@ -1,15 +1,17 @@
 """The composition root: one server process's parts, built from its settings.
 
-:class:`Node` reads as its life: :meth:`~Node.start` (open the id source for
-the mode, bind the Thrift port without listening, open the admin endpoint,
-register in the cluster, then listen: a connection attempt is refused until
-the node can serve), :meth:`~Node.run` (serve until asked to stop),
+:class:`Node` reads as its life: :meth:`~Node.start` (bind every port without
+listening, so that a port in use fails before any wait; open the id source for
+the mode, open the admin endpoint, register in the cluster, then listen: a
+connection attempt is refused until the node can serve; a stop asked meanwhile
+ends every start-up wait at once), :meth:`~Node.run` (serve until asked to stop),
 :meth:`~Node.drain` (not ready at once, stop after ``--drain-seconds``),
 :meth:`~Node.close` (everything in reverse: stop serving, final marks,
 deregister). One builder per mode, :func:`standalone` and :func:`clustered`,
 returns the id source, its metrics collectors and why it cannot serve.
-:func:`serve` adds the signals, the ready line and systemd's notifications;
-tests run a ``Node`` in a thread instead.
+:func:`serve` adds the signals (from its first line: a SIGTERM while starting
+stops cleanly), the ready line and systemd's notifications; tests run a
+``Node`` in a thread instead.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterable
@@ -33,7 +36,7 @@ from prometheus_client.registry import Collector
 
 from .._cluster.membership import Cluster, advertised_address
 from .._config.settings import ServerSettings
-from .._errors import ConfigurationError, StartupRefused
+from .._errors import ConfigurationError, StartupDeferred, StartupInterrupted
 from .._ids.clocks import wall_clock_ms
 from .._ids.generator import IdSource
 from .._observability.admin import AdminServer
@@ -44,7 +47,7 @@ from .._observability.probes import Check, Liveness, Readiness
 from .._state.reservation import MarkStore
 from .._state.worker import CurrentReservation, Worker, WorkerSlot
 from .._thrift.handler import Processor, SnowflakeHandler, service_methods
-from .._thrift.server import ThriftServer
+from .._thrift.server import ThriftServer, check_open_files, listen_socket
 from .._thrift.tls import server_context
 from .._version import __version__
 from .node_id import WorkerIdOrigin, configured_origin
@@ -58,6 +61,18 @@ log = logging.getLogger("snowflake_server")
 
 Defer = Callable[[Callable[[], None]], object]
 """Registers a close to run at shutdown (in reverse order of registration)."""
+Wait = Callable[[float], object]
+"""A start-up wait: sleeps, or raises ``StartupInterrupted`` when a stop is asked."""
+
+
+def waits_until(stopping: threading.Event) -> Wait:
+    """A start-up wait that a stop (``stopping`` set) ends at once."""
+
+    def wait(seconds: float) -> None:
+        if stopping.wait(seconds):
+            raise StartupInterrupted("asked to stop while waiting to start; nothing was served")
+
+    return wait
 
 
 @dataclass
@@ -73,11 +88,18 @@ class Mode:
     join: Callable[[int, Defer], None] = lambda _port, _defer: None
     """Called once the Thrift port is bound (peers must be able to dial us), with the
     port and a way to defer a close to shutdown, before the Thrift server's close."""
+    interrupt: Callable[[], None] = lambda: None
+    """Ends the mode's start-up waits at once (a stop was asked); from any thread."""
 
 
-def standalone(settings: ServerSettings, clock: Callable[[], int], defer: Defer) -> Mode:
-    """One worker, its id configured: lock its state, honour its mark, serve."""
-    worker = Worker.open(settings.worker, settings.worker_number, clock=clock)
+def standalone(
+    settings: ServerSettings, clock: Callable[[], int], defer: Defer, stopping: threading.Event
+) -> Mode:
+    """One worker, its id configured: lock its state, honour its mark, serve. Its
+    start-up waits end when ``stopping`` is set."""
+    worker = Worker.open(
+        settings.worker, settings.worker_number, clock=clock, wait=waits_until(stopping)
+    )
     defer(worker.close)  # the first close registered: it runs last
     return Mode(
         source=worker.generator,
@@ -87,10 +109,14 @@ def standalone(settings: ServerSettings, clock: Callable[[], int], defer: Defer)
 
 
 def clustered(
-    settings: ServerSettings, clock: Callable[[], int], client_factory: Callable[..., Any]
+    settings: ServerSettings,
+    clock: Callable[[], int],
+    client_factory: Callable[..., Any],
+    stopping: threading.Event,
 ) -> Mode:
     """A worker id leased from ZooKeeper once the port is bound, served while the
-    session is proven (see ``Cluster``)."""
+    session is proven (see ``Cluster``). Its start-up waits end when ``stopping`` is
+    set (or :attr:`Mode.interrupt` is called)."""
     slot = WorkerSlot(settings.ids)
     mode = Mode(
         source=slot, collectors=[CurrentReservation(slot)], unavailable=slot.unavailable_reason
@@ -98,7 +124,12 @@ def clustered(
 
     def open_worker(worker_id: int, remote: tuple[MarkStore, int], waited: float | None) -> Worker:
         return Worker.open(
-            settings.worker, worker_id, clock=clock, remote=remote, first_start_waited=waited
+            settings.worker,
+            worker_id,
+            clock=clock,
+            wait=waits_until(stopping),
+            remote=remote,
+            first_start_waited=waited,
         )
 
     def join(port: int, defer: Defer) -> None:
@@ -111,16 +142,21 @@ def clustered(
             client_factory=client_factory,
         )
         mode.details = cluster.details
-        cluster.connect()
         # Closed before the Thrift server and the audit trail, as the worker is: calls
-        # still in flight then meet a sealed generator, not an id nobody audits.
+        # still in flight then meet a sealed generator, not an id nobody audits. Deferred
+        # before connecting: a start that fails or is stopped from here on deregisters.
         defer(cluster.close)
+        # Set before the check: a stop asked from now on reaches the cluster's waits.
+        mode.interrupt = cluster.interrupt
+        if stopping.is_set():
+            raise StartupInterrupted("asked to stop before joining the cluster")
         try:
+            cluster.connect()
             cluster.check_peers()
             cluster.register()
         except (KazooException, KazooTimeoutError) as e:
-            raise StartupRefused(
-                f"ZooKeeper failed during start-up: {type(e).__name__}: {e}; start again"
+            raise StartupDeferred(
+                f"ZooKeeper failed during start-up: {type(e).__name__}: {e}"
             ) from None
         mode.collectors.append(cluster)
 
@@ -150,6 +186,7 @@ class Node:
         self._clock = clock
         self._zk_client_factory = zk_client_factory
         self._cleanup = contextlib.ExitStack()
+        self._stopping = threading.Event()
         self._server: ThriftServer | None = None
         self._audit: AuditLog | None = None
         self.mode: Mode | None = None
@@ -162,7 +199,9 @@ class Node:
     def start(self) -> None:
         """Build and open everything; on failure close what was opened and raise
         (``ConfigurationError``: bad settings or a port in use; ``StartupRefused``:
-        starting could repeat ids). On return the node serves: its port listens."""
+        starting could repeat ids; ``StartupDeferred``: try again later;
+        ``StartupInterrupted``: :meth:`request_stop` was called meanwhile). On return
+        the node serves: its port listens."""
         try:
             self._start()
         except BaseException:
@@ -170,6 +209,7 @@ class Node:
             raise
 
     def _start(self) -> None:
+        ports = self._bind_ports()
         mode = self._open_mode()
         self.readiness.add_check(mode.unavailable)
         metrics = ServiceMetrics(
@@ -179,22 +219,38 @@ class Node:
             worker_id_source=self.origin.source,
         )
         self._audit = self._open_audit(mode)
-        self._server = self._open_thrift(mode, metrics, self._audit)
-        # Bound, to fail early on a port in use and to be dialled by peers once
-        # registered; not listening, so that nobody takes us for ready meanwhile.
+        self._server = self._open_thrift(mode, metrics, self._audit, ports)
         self.thrift_address = self._server.bind()
         self.http_address = self._server.http_address
-        self.admin_address = self._open_admin(mode, metrics)
+        self.admin_address = self._open_admin(mode, metrics, ports.admin)
         mode.join(self.thrift_address[1], self._cleanup.callback)
+        if self._stopping.is_set():  # asked after the last wait: serve nobody
+            raise StartupInterrupted("asked to stop while starting; nothing was served")
         self._server.listen()
         self.readiness.serving()
+
+    def _bind_ports(self) -> _Ports:
+        """Every port, bound before any wait (a port in use fails at once) and not
+        listening (a connection attempt is refused until the node can serve; the
+        Thrift port is bound so that peers can dial us once we are registered)."""
+        thrift, admin = self.settings.thrift, self.settings.admin
+        check_open_files(thrift.max_connections)  # a limit too low is a setting: refuse now
+        ports = _Ports()
+        self._cleanup.callback(ports.close)  # the servers close them too, once given
+        ports.thrift = listen_socket(thrift.host, thrift.port, reuse_port=thrift.reuse_port)
+        if thrift.http:
+            ports.http = listen_socket(
+                thrift.http_host, thrift.http_port, reuse_port=thrift.reuse_port
+            )
+        ports.admin = listen_socket(admin.host, admin.port, reuse_port=False)
+        return ports
 
     def _open_mode(self) -> Mode:
         settings = self.settings
         if settings.zookeeper:
-            mode = clustered(settings, self._clock, self._zk_client_factory)
+            mode = clustered(settings, self._clock, self._zk_client_factory, self._stopping)
         else:
-            mode = standalone(settings, self._clock, self._cleanup.callback)
+            mode = standalone(settings, self._clock, self._cleanup.callback, self._stopping)
         self.mode = mode
         return mode
 
@@ -209,7 +265,7 @@ class Node:
         return audit
 
     def _open_thrift(
-        self, mode: Mode, metrics: ServiceMetrics, audit: AuditLog | None
+        self, mode: Mode, metrics: ServiceMetrics, audit: AuditLog | None, ports: _Ports
     ) -> ThriftServer:
         source, clock = mode.source, self._clock
 
@@ -222,6 +278,7 @@ class Node:
             self.settings.thrift,
             tls=self._tls_context(),
             heartbeat=self.liveness.beat,
+            bound=(ports.thrift, ports.http),
         )
         self._cleanup.callback(server.close)
         return server
@@ -232,7 +289,9 @@ class Node:
             return None
         return server_context(thrift.tls_cert, thrift.tls_key, thrift.tls_client_ca)
 
-    def _open_admin(self, mode: Mode, metrics: ServiceMetrics) -> tuple[str, int]:
+    def _open_admin(
+        self, mode: Mode, metrics: ServiceMetrics, bound: socket.socket | None
+    ) -> tuple[str, int]:
         def ready() -> tuple[str | None, dict[str, object]]:
             ids = mode.source.settings
             return self.readiness.reason(), {
@@ -247,7 +306,9 @@ class Node:
 
         # The collectors list is read at each scrape: the cluster's joins it later.
         registry = metrics.registry(_Each(mode.collectors), self.readiness)
-        admin = AdminServer(registry, self.settings.admin, ready=ready, live=self.liveness.reason)
+        admin = AdminServer(
+            registry, self.settings.admin, ready=ready, live=self.liveness.reason, bound=bound
+        )
         registry.register(admin)
         admin.start()
         self._cleanup.callback(admin.stop)
@@ -269,8 +330,12 @@ class Node:
             self._server.request_shutdown(after_s=self.settings.drain_seconds)
 
     def request_stop(self) -> None:
-        """Ask :meth:`run` to return now. Safe from a signal handler or any thread."""
+        """Ask :meth:`run` to return now, or :meth:`start` to end its waits and raise
+        ``StartupInterrupted``. Safe from a signal handler or any thread."""
         self.readiness.draining()
+        self._stopping.set()  # before the interrupt: see clustered()'s join
+        if self.mode is not None:
+            self.mode.interrupt()
         if self._server is not None:
             self._server.request_shutdown()
 
@@ -294,6 +359,20 @@ class Node:
         """Stop everything started, in reverse: the exact final marks are written."""
         self.readiness.stopped()
         self._cleanup.close()
+
+
+@dataclass
+class _Ports:
+    """The sockets :meth:`Node._bind_ports` bound, until the servers take them."""
+
+    thrift: socket.socket | None = None
+    http: socket.socket | None = None
+    admin: socket.socket | None = None
+
+    def close(self) -> None:
+        for sock in (self.thrift, self.http, self.admin):
+            if sock is not None:
+                sock.close()
 
 
 class _Each(Collector):
@@ -353,40 +432,50 @@ def serve(
     """
     notifier = Notifier(os.environ)
     node = Node(settings, origin=origin)
+    stops = 0
+    stops_lock = threading.Lock()
+    serving = threading.Event()
+
+    def stop(name: str) -> None:
+        nonlocal stops
+        with stops_lock:
+            stops += 1
+            first = stops == 1
+        if not serving.is_set():
+            # Nothing to drain: end the start-up waits now; start() then closes what it
+            # opened (deregisters) and raises StartupInterrupted.
+            log.info("received %s while starting: stopping", name, extra={"signal": name})
+            node.request_stop()
+            return
+        if not first:
+            log.info("received %s again: stopping now", name)
+            node.request_stop()
+            return
+        log.info(
+            "received %s: not ready from now; serving %g s more, then finishing the "
+            "calls in flight", name, settings.drain_seconds,
+            extra={"signal": name, "drain_seconds": settings.drain_seconds},
+        )  # fmt: skip
+        notifier.stopping(f"draining for {settings.drain_seconds:g} s")
+        node.drain()
+
+    def reload() -> None:
+        notifier.reloading()
+        try:
+            if log_file is not None:
+                log_file.reopen()
+            node.reload()
+        finally:
+            notifier.reloaded("serving" if serving.is_set() else "starting")
+
+    # From the first line: a SIGTERM during a start-up wait stops cleanly (exit 0, the
+    # registration removed), never by the default action that leaves it behind.
+    on_signal(signal.SIGTERM, stop)
+    on_signal(signal.SIGINT, stop)
+    on_signal(signal.SIGHUP, lambda _name: reload())
     node.start()
+    serving.set()
     try:
-        stops = 0
-        stops_lock = threading.Lock()
-
-        def stop(name: str) -> None:
-            nonlocal stops
-            with stops_lock:
-                stops += 1
-                first = stops == 1
-            if not first:
-                log.info("received %s again: stopping now", name)
-                node.request_stop()
-                return
-            log.info(
-                "received %s: not ready from now; serving %g s more, then finishing the "
-                "calls in flight", name, settings.drain_seconds,
-                extra={"signal": name, "drain_seconds": settings.drain_seconds},
-            )  # fmt: skip
-            notifier.stopping(f"draining for {settings.drain_seconds:g} s")
-            node.drain()
-
-        def reload() -> None:
-            notifier.reloading()
-            try:
-                if log_file is not None:
-                    log_file.reopen()
-                node.reload()
-            finally:
-                notifier.reloaded("serving")
-
-        on_signal(signal.SIGTERM, stop)
-        on_signal(signal.SIGINT, stop)
-        on_signal(signal.SIGHUP, lambda _name: reload())
         ids = node.mode.source.settings if node.mode is not None else settings.ids
         log.info(
             "serving %s/binary on %s:%d (datacenter %d, worker %d); metrics on "

@@ -10,6 +10,8 @@ default. Nothing is read at import time: call :func:`load_settings`.
 from __future__ import annotations
 
 import argparse
+import difflib
+import math
 import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -52,10 +54,9 @@ def _worker_id(text: str) -> int | FromMachine:
         return FromMachine(word)
     except ValueError:
         pass
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError("must be a number, auto, ordinal, ip or mac") from None
+    if not _INTEGER.fullmatch(text.strip()):
+        raise ValueError("must be a number, auto, ordinal, ip or mac")
+    return int(text)
 
 
 def worker_id_text(value: int | FromMachine) -> str:
@@ -63,6 +64,42 @@ def worker_id_text(value: int | FromMachine) -> str:
     if isinstance(value, FromMachine):
         return value.value
     return "auto" if value == AUTO_WORKER_ID else str(value)
+
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?inf")
+# What Kubernetes injects for a Service named after a setting (SNOWFLAKE_PORT for a
+# Service "snowflake", SNOWFLAKE_METRICS_PORT for "snowflake-metrics"): a service link.
+_SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://[^/\s]+:[0-9]+")
+
+
+def _integer(text: str) -> int:
+    """A plain decimal integer: not ``1_0``, ``0x10`` or ``1e3``, which ``int`` reads."""
+    stripped = text.strip()
+    if not _INTEGER.fullmatch(stripped):
+        raise ValueError(f"must be a whole number in decimal digits{_link_hint(stripped)}")
+    return int(stripped)
+
+
+def _number(text: str) -> float:
+    """A decimal number of seconds (``inf`` allowed where the setting allows it)."""
+    stripped = text.strip().lower()
+    if not _NUMBER.fullmatch(stripped):
+        raise ValueError(f"must be a number like 2 or 0.5{_link_hint(stripped)}")
+    value = float(stripped)
+    assert not math.isnan(value)  # the pattern has no nan
+    return value
+
+
+def _link_hint(text: str) -> str:
+    if not _SERVICE_LINK.fullmatch(text):
+        return ""
+    return (
+        ". This looks like a Kubernetes service link, not a setting: a Service named "
+        "after this variable (snowflake, snowflake-metrics, ...) makes Kubernetes set it "
+        "in every pod of the namespace. Set enableServiceLinks: false in the pod spec "
+        "(the shipped manifests do), or rename the Service"
+    )
 
 
 def _bool(text: str) -> bool:
@@ -102,14 +139,14 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     Option("host", str, "Address to serve Thrift on; 0.0.0.0 for every interface.", "ADDR"),
-    Option("port", int, "Thrift port; 0 picks a free one (printed at start).", "PORT"),
+    Option("port", _integer, "Thrift port; 0 picks a free one (printed at start).", "PORT"),
     Option("transport", str,
            "Thrift transport: framed (what Twitter's clients speak) or buffered.",
            "{framed,buffered}"),
-    Option("idle_timeout", float,
+    Option("idle_timeout", _number,
            "Close a client connection idle for this many seconds (within a quarter more); "
            "0 never.", "SECONDS"),
-    Option("datacenter_id", int, "Datacenter id of this server (0..31 by default).", "N"),
+    Option("datacenter_id", _integer, "Datacenter id of this server (0..31 by default).", "N"),
     Option("worker_id", _worker_id,
            "Worker id of this server, unique within its datacenter (0..31 by default); "
            "'auto' leases the lowest free one from ZooKeeper; 'ordinal' takes the host "
@@ -121,27 +158,27 @@ OPTIONS: tuple[Option, ...] = (
            "With --worker-id ip or mac: use an address that is refused by default "
            "(loopback; an all-zero, multicast or locally administered MAC, as containers "
            "and VMs make up) as if it were this host's own."),
-    Option("epoch", int, "Epoch of the ids' timestamps, in ms since the Unix epoch.", "MS"),
-    Option("timestamp_bits", int, "Bits of an id holding ms since the epoch.", "N"),
-    Option("datacenter_id_bits", int, "Bits of an id holding the datacenter id.", "N"),
-    Option("worker_id_bits", int, "Bits of an id holding the worker id.", "N"),
-    Option("sequence_bits", int, "Bits of an id holding the per-ms sequence.", "N"),
-    Option("clock_sequence_bits", int,
+    Option("epoch", _integer, "Epoch of the ids' timestamps, in ms since the Unix epoch.", "MS"),
+    Option("timestamp_bits", _integer, "Bits of an id holding ms since the epoch.", "N"),
+    Option("datacenter_id_bits", _integer, "Bits of an id holding the datacenter id.", "N"),
+    Option("worker_id_bits", _integer, "Bits of an id holding the worker id.", "N"),
+    Option("sequence_bits", _integer, "Bits of an id holding the per-ms sequence.", "N"),
+    Option("clock_sequence_bits", _integer,
            "Bits of an id holding a clock sequence, between the timestamp and the "
            "datacenter id (0: none; take them from the datacenter or worker bits). On a "
            "clock step back beyond --max-backwards-ms, and at a start with the clock "
            "behind the high-water mark, the server moves to another clock-sequence value "
            "instead of refusing or waiting: ids stay unique but are then no longer "
            "increasing on this worker.", "N"),
-    Option("max_backwards_ms", int,
+    Option("max_backwards_ms", _integer,
            "A clock step back of at most this many ms is waited out; a larger one is "
            "refused with InvalidSystemClock. 0: always refuse (Twitter's behaviour). "
            "At most 60000.", "MS"),
     Option("metrics_host", str, "Address of the Prometheus metrics and health endpoint.", "ADDR"),
-    Option("metrics_port", int,
+    Option("metrics_port", _integer,
            "Port of /metrics, /livez and /readyz (and /health, its old name); 0 picks a free "
            "one.", "PORT"),
-    Option("max_agents", int,
+    Option("max_agents", _integer,
            "Distinct user agents that get their own metrics label; the rest share one.", "N"),
     Option("log_level", str, "Logging threshold.",
            "{" + ",".join(LOG_LEVELS) + "}"),
@@ -151,14 +188,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("log_file", str,
            "Append the log to this file instead of standard error; SIGHUP reopens it "
            "(for log rotation).", "FILE"),
-    Option("drain_seconds", float,
+    Option("drain_seconds", _number,
            "On SIGTERM, report not ready (/readyz 503) at once but serve on for this "
            "many seconds, so that load balancers and clients move away first; then stop "
            "accepting and finish the calls in flight. 0: stop at once.", "SECONDS"),
     Option("state_dir", str,
            "Directory of the state files holding each worker's high-water mark "
            "(default: $XDG_STATE_HOME/snowflake or ~/.local/state/snowflake).", "DIR"),
-    Option("max_startup_wait", float,
+    Option("max_startup_wait", _number,
            "At start, wait at most this long for a clock that is behind the stored "
            "high-water mark; further behind, refuse to start.", "SECONDS"),
     Option("sequence_start", str,
@@ -167,7 +204,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("discard_corrupt_state", _bool,
            "Start even if the state file is unreadable or corrupt, as if it were "
            "missing. Only when the clock is surely past every id this worker issued."),
-    Option("first_start_wait", float,
+    Option("first_start_wait", _number,
            "Before the first id of a worker id with no high-water mark (standalone: no state "
            "file; in cluster mode: none in ZooKeeper, whatever the state file holds, since "
            "another node may have used the id before ZooKeeper lost its data), wait this long, "
@@ -186,28 +223,28 @@ OPTIONS: tuple[Option, ...] = (
     Option("advertise_host", str,
            "Address peers and clients should dial (default: --host, or this host's "
            "name when --host is a wildcard).", "ADDR"),
-    Option("advertise_port", int, "Port peers and clients should dial (default: the "
+    Option("advertise_port", _integer, "Port peers and clients should dial (default: the "
            "Thrift port bound).", "PORT"),
-    Option("max_peer_skew", float,
+    Option("max_peer_skew", _number,
            "Refuse to start if our clock is further than this from the mean of the "
            "registered peers' clocks.", "SECONDS"),
     Option("skip_sanity_checks", _bool,
            "Start without asking registered peers for their ids and clocks (an "
            "unreachable peer then does not block start-up)."),
-    Option("zk_session_timeout", float,
+    Option("zk_session_timeout", _number,
            "ZooKeeper session timeout; it must lie within the ensemble's min and max "
            "session timeouts. Ids stop 0.9 x this long after ZooKeeper last confirmed "
            "our registration.",
            "SECONDS"),
-    Option("zk_connect_timeout", float,
+    Option("zk_connect_timeout", _number,
            "At start, refuse if ZooKeeper cannot be reached within this time.", "SECONDS"),
-    Option("max_connections", int,
+    Option("max_connections", _integer,
            "Client connections served at once; further ones are closed at once and "
            "counted.", "N"),
-    Option("max_batch", int,
+    Option("max_batch", _integer,
            "Most ids one get_ids call may ask for, whatever the layout (at most "
            "2^sequence_bits are made per ms).", "N"),
-    Option("max_frame_size", int,
+    Option("max_frame_size", _integer,
            "Largest request accepted, in bytes; a larger frame is refused before it is "
            "read.", "BYTES"),
     Option("tls_cert", str, "Serve TLS with this certificate (PEM; may hold the key).", "FILE"),
@@ -217,13 +254,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("audit_log", str,
            "Append one JSON line per id issued to this file (off the id path; entries "
            "are dropped, and counted, if the disk falls behind).", "FILE"),
-    Option("audit_queue", int,
+    Option("audit_queue", _integer,
            "Audit entries that may wait in memory before new ones are dropped.", "N"),
-    Option("http_port", int,
+    Option("http_port", _integer,
            "Serve the HTTP/JSON API (/v1/id, /v1/ids, /v1/decode/ID, /v1/layout) on this "
            "port; 0 picks a free one; -1: off.", "PORT"),
     Option("http_host", str, "Address of the HTTP/JSON API.", "ADDR"),
-    Option("processes", int,
+    Option("processes", _integer,
            "Run this many server processes on the one port (SO_REUSEPORT), each with its "
            "own worker id: consecutive from --worker-id (from ordinal x N with ordinal), or "
            "leased with auto.", "N"),
@@ -253,9 +290,29 @@ assert set(_BY_NAME) == {f.name for f in fields(ServerSettings)}, "OPTIONS, Serv
 assert sorted(n for _, names in GROUPS for n in names) == sorted(_BY_NAME), "GROUPS, OPTIONS differ"
 
 
+def did_you_mean(word: str, known: Sequence[str]) -> str:
+    """``; did you mean X?`` for the closest of ``known`` to a mistyped ``word``, or ``""``."""
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, saying which flag a mistyped one was probably meant to be."""
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            flags = [f for action in self._actions for f in action.option_strings]
+            first = unknown[0]
+            word = first.split("=", 1)[0]
+            hint = did_you_mean(word, flags) if word.startswith("-") else ""
+            self.error(f"unknown argument {first!r}{hint}")
+        return parsed
+
+
 def build_parser(prog: str = "snowflake-server") -> argparse.ArgumentParser:
     """The ``snowflake-server`` argument parser; every flag also has an environment variable."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog,
         description="Serve unique, time-ordered 64-bit ids over Thrift (Twitter Snowflake "
         "compatible). Precedence: flag, environment, config file, default.",
@@ -316,7 +373,8 @@ def _read_file(path: str) -> dict[str, object]:
     for key, value in data.items():
         name = key.replace("-", "_")
         if name not in _BY_NAME:
-            raise ConfigurationError(f"config file {path}: unknown setting {key!r}")
+            hint = did_you_mean(name, list(_BY_NAME))
+            raise ConfigurationError(f"config file {path}: unknown setting {key!r}{hint}")
         out[name] = value
     return out
 

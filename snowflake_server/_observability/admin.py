@@ -15,15 +15,23 @@ gets one request, answered and closed within ``request_timeout`` seconds; at
 most ``max_connections`` are open, the oldest still sending its request making
 room for a new one (a flood of silent connections cannot starve a probe).
 Connections closed unanswered are counted.
+
+It accepts on its own loop rather than asyncio's ``create_server``: out of file
+descriptors (EMFILE, ENFILE), asyncio's accept logged a traceback for each of up
+to 128 pending connections and retried every second, thousands of lines in
+seconds. Here it pauses accepting, 100 ms doubling up to 2 s, counts the pause
+and says so in one (rate-limited) line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import io
 import json
 import logging
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -54,6 +62,10 @@ _REQUEST_TIMEOUT_S = 10.0
 _MAX_HEAD = 8192  # a request line and headers; a scrape's are a few hundred bytes
 _END = b"\r\n\r\n"
 _STOP_WAIT_S = 5.0
+_BACKLOG = 128
+_PAUSE_FIRST_S = 0.1
+_PAUSE_MAX_S = 2.0
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class AdminServer(Collector):
@@ -61,7 +73,8 @@ class AdminServer(Collector):
 
     As a collector it reports the connections it closed unanswered (register it
     where they should be exported). Raises ``ConfigurationError`` if the address
-    cannot be used.
+    cannot be used. ``bound``: its socket, bound already (not listening); by default
+    it binds one.
     """
 
     def __init__(
@@ -73,6 +86,7 @@ class AdminServer(Collector):
         live: Live,
         max_connections: int = _MAX_CONNECTIONS,
         request_timeout: float = _REQUEST_TIMEOUT_S,
+        bound: socket.socket | None = None,
     ) -> None:
         self._metrics = make_wsgi_app(registry)
         self._ready = ready
@@ -81,8 +95,12 @@ class AdminServer(Collector):
         self.request_timeout = request_timeout
         self.closed_full = 0  # closed to make room, or refused: max_connections were open
         self.closed_slow = 0  # no whole request, or its answer not taken, in time
+        self.accept_pauses = 0  # out of file descriptors (or memory): accepting paused
         self.open: dict[_AdminConnection, None] = {}  # oldest first; loop thread only
-        self._sock = listen_socket(settings.host, settings.port, reuse_port=False, backlog=128)
+        if bound is None:
+            bound = listen_socket(settings.host, settings.port, reuse_port=False)
+        bound.listen(_BACKLOG)
+        self._sock = bound
         self._loop = asyncio.new_event_loop()
         self._stopping = asyncio.Event()  # set on the loop's thread
         self._thread = threading.Thread(target=self._run, name="admin-http", daemon=True)
@@ -112,6 +130,13 @@ class AdminServer(Collector):
             "reason",
             {"full": self.closed_full, "slow": self.closed_slow},
         )
+        yield counter_by(
+            "snowflake_accept_pauses",
+            "Times a listener stopped accepting for a while (100 ms doubling up to 2 s) "
+            "because the process was out of file descriptors or memory, by listener.",
+            "listener",
+            {"admin": self.accept_pauses},
+        )
 
     def _run(self) -> None:
         try:
@@ -121,14 +146,40 @@ class AdminServer(Collector):
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _AdminConnection(self), sock=self._sock)
+        self._sock.setblocking(False)
+        accepting = loop.create_task(self._accept(loop))
         try:
             await self._stopping.wait()
         finally:
-            server.close()
+            accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await accepting
+            self._sock.close()
             for connection in list(self.open):
                 connection.abort()
-            await server.wait_closed()
+            await asyncio.sleep(0)  # their connection_lost, a turn after the abort
+
+    async def _accept(self, loop: asyncio.AbstractEventLoop) -> None:
+        pause = _PAUSE_FIRST_S
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._sock)
+            except OSError as e:
+                if e.errno not in _OUT_OF_RESOURCES:
+                    log.info("admin: accept failed: %s", e)
+                    continue
+                self.accept_pauses += 1
+                log.warning("admin: cannot accept connections (%s): pausing %g s", e.strerror,
+                            pause)  # fmt: skip
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, _PAUSE_MAX_S)
+                continue
+            pause = _PAUSE_FIRST_S
+            try:
+                await loop.connect_accepted_socket(lambda: _AdminConnection(self), sock)
+            except OSError as e:
+                log.info("admin: dropping a connection: %s", e)
+                sock.close()
 
     def admit(self, connection: _AdminConnection) -> bool:
         """Whether ``connection`` is served: room is made by closing the oldest one

@@ -7,6 +7,15 @@ line: ``time``, ``level``, ``logger``, ``message``, the fields the event was
 logged with (``extra=``), and ``exception`` when there is one. The standard
 library's handlers cover everything but reopening on request (WatchedFileHandler
 polls the file on every line instead), which is :class:`LogFile`'s one job.
+
+Lines that a client can cause (one per connection or request: the Thrift, HTTP and
+admin endpoints, asyncio's accept errors) are rate limited per cause, the logging
+call (logger and message template, so every peer counts as one cause): 10 lines at
+once, then 1 a second. The rest are counted (``snowflake_log_lines_suppressed_total``)
+and summarised in one line per cause at most every 10 s, so a flood of garbage
+connections cannot fill the disk the state directory may share. Everything else, the
+safety messages among it (clock, high-water marks, ZooKeeper, start-up), is never
+limited.
 """
 
 from __future__ import annotations
@@ -14,13 +23,36 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import TextIO
+
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from .._config.settings import LogSettings
 from .._errors import ConfigurationError
 
-__all__ = ["JsonFormatter", "LogFile", "TextFormatter", "configure_logging"]
+__all__ = [
+    "LIMITED_LOGGERS",
+    "LOG_LIMIT",
+    "JsonFormatter",
+    "LogFile",
+    "LogLimit",
+    "TextFormatter",
+    "configure_logging",
+]
+
+LIMITED_LOGGERS = (
+    "snowflake_server._thrift",
+    "snowflake_server._http",
+    "snowflake_server._observability.admin",
+    "asyncio",
+)
+"""The loggers (and their children) whose lines are rate limited: those a client's
+connections and requests can make it write."""
 
 # Attributes every LogRecord has: anything else on a record came from ``extra=``.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
@@ -97,6 +129,97 @@ class LogFile(logging.StreamHandler[TextIO]):
         super().close()
 
 
+class _Cause:
+    __slots__ = ("since", "stamp", "suppressed", "tokens")
+
+    def __init__(self, tokens: float, now: float) -> None:
+        self.tokens = tokens
+        self.stamp = now  # when the tokens were counted
+        self.suppressed = 0  # since the last summary
+        self.since = now  # the last summary, or the first line
+
+
+class LogLimit(logging.Filter, Collector):
+    """A handler filter: per cause (logger name and message template) of the limited
+    loggers, ``burst`` lines at once, then ``per_s`` a second; the rest are dropped,
+    counted by logger, and summarised in a WARNING at most every ``summary_every_s``
+    (written before the next line of that cause that gets through). ``clock`` is
+    monotonic seconds. As a collector it exports the count.
+    """
+
+    def __init__(
+        self,
+        *,
+        burst: int = 10,
+        per_s: float = 1.0,
+        summary_every_s: float = 10.0,
+        loggers: Iterable[str] = LIMITED_LOGGERS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self._burst = burst
+        self._per_s = per_s
+        self._summary_every_s = summary_every_s
+        self._loggers = tuple(loggers)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._causes: dict[tuple[str, str], _Cause] = {}
+        self.suppressed = dict.fromkeys(self._loggers, 0)  # by limited logger, since the start
+
+    def _limited(self, name: str) -> str | None:
+        for limited in self._loggers:
+            if name == limited or name.startswith(limited + "."):
+                return limited
+        return None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        limited = self._limited(record.name)
+        if limited is None:
+            return True
+        key = (record.name, str(record.msg))
+        now = self._clock()
+        with self._lock:
+            cause = self._causes.get(key)
+            if cause is None:
+                cause = self._causes[key] = _Cause(self._burst, now)
+            cause.tokens = min(self._burst, cause.tokens + (now - cause.stamp) * self._per_s)
+            cause.stamp = now
+            if cause.tokens < 1:
+                cause.suppressed += 1
+                self.suppressed[limited] += 1
+                return False
+            cause.tokens -= 1
+            summary = None
+            if cause.suppressed and now - cause.since >= self._summary_every_s:
+                summary = (cause.suppressed, now - cause.since)
+                cause.suppressed, cause.since = 0, now
+        if summary is not None:
+            # Through the same handlers: this module's logger is not limited.
+            logging.getLogger(__name__).warning(
+                "suppressed %d lines like %r from %s in the last %.0f s",
+                summary[0], key[1], key[0], summary[1],
+            )  # fmt: skip
+        return True
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "snowflake_log_lines_suppressed",
+            "Log lines not written, by logger (and its children): past the rate limit of "
+            "their cause (10 at once, then 1 a second); each cause's count is summarised in "
+            "the log every 10 s.",
+            labels=["logger"],
+        )
+        with self._lock:
+            counts = sorted(self.suppressed.items())
+        for name, count in counts:
+            family.add_metric([name], count)
+        yield family
+
+
+LOG_LIMIT = LogLimit()
+"""The process's limiter: on the handler :func:`configure_logging` installs."""
+
+
 def configure_logging(settings: LogSettings) -> LogFile | None:
     """Send the root logger's records where ``settings`` say, as they say; return the
     log file, if any, for SIGHUP to reopen."""
@@ -107,6 +230,7 @@ def configure_logging(settings: LogSettings) -> LogFile | None:
     else:
         handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if settings.format == "json" else TextFormatter())
+    handler.addFilter(LOG_LIMIT)
     root = logging.getLogger()
     for old in root.handlers[:]:
         root.removeHandler(old)

@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from .._ids.generator import IdSource
 from .._version import __version__
+from .logs import LOG_LIMIT
 
 __all__ = [
     "CALL_FAILURES",
@@ -160,10 +161,11 @@ class ServiceMetrics(Collector):
         self.connections_rejected = 0  # written by the accept loop only
 
     def registry(self, *others: Collector) -> CollectorRegistry:
-        """A fresh registry holding this collector, ``others`` and prometheus_client's
-        process, platform and GC collectors (never the global registry)."""
+        """A fresh registry holding this collector, ``others``, the log limiter's count
+        and prometheus_client's process, platform and GC collectors (never the global
+        registry)."""
         registry = CollectorRegistry(auto_describe=False)
-        for collector in (self, *others):
+        for collector in (self, *others, LOG_LIMIT):
             registry.register(collector)
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)

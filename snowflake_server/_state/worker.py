@@ -63,6 +63,7 @@ class Worker:
         *,
         clock: Callable[[], int],
         sleep: Callable[[float], object] = pause,
+        wait: Callable[[float], object] | None = None,
         remote: tuple[MarkStore, int] | None = None,
         first_start_waited: float | None = None,
     ) -> Worker:
@@ -78,7 +79,12 @@ class Worker:
         waits out a worker id without a mark in ZooKeeper itself (then reads it
         again), and says so with ``first_start_waited``: the seconds it waited (None:
         ZooKeeper holds a mark).
+
+        ``sleep`` is the generator's (waits of a ms while serving); ``wait`` (default:
+        ``sleep``) the start-up waits', which a stop may end by raising
+        ``StartupInterrupted``: nothing is reserved or written before they are over.
         """
+        wait = sleep if wait is None else wait
         dc = settings.datacenter_id
         with contextlib.ExitStack() as undo:  # what is taken is given back if opening fails
             host_lock = HostLock.acquire(dc, worker_id, settings.host_lock_scope)
@@ -136,11 +142,11 @@ class Worker:
                 reservation.first_start_wait_s = first_start_waited
             elif not found:
                 looked_in = [store.where for store, _ in stores]
-                _first_start(reservation, worker_id, looked_in, settings.first_start_wait, sleep)
+                _first_start(reservation, worker_id, looked_in, settings.first_start_wait, wait)
             if found:
                 source = max(found, key=lambda store: store.marks[value]).where
                 reservation.startup_wait_s = wait_for_clock(
-                    resume_after, clock, sleep, settings.max_startup_wait, source
+                    resume_after, clock, wait, settings.max_startup_wait, source
                 )
             generator.raise_ceiling(reservation.reserve(clock()), value)
             reservation.start(generator)

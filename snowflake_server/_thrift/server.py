@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import resource
 import socket
@@ -39,13 +40,22 @@ from .._observability.metrics import ConnectionStats, ServiceMetrics
 from .connection import Connection, Shared
 from .handler import Processor
 
-__all__ = ["ThriftServer", "listen_socket", "new_event_loop", "started_threads"]
+__all__ = [
+    "SPARE_FDS",
+    "ThriftServer",
+    "check_open_files",
+    "listen_socket",
+    "new_event_loop",
+    "started_threads",
+]
 
 log = logging.getLogger(__name__)
 
 _REJECT_LOG_EVERY_S = 10.0
 _WAIT_THREADS = 4  # calls that must wait (clock stepped back, reservation) run on these
-_SPARE_FDS = 64  # files besides client connections: listener, logs, state, ZooKeeper
+SPARE_FDS = 128
+"""Files besides client connections: the admin endpoint's 64 connections and listener,
+the listeners, logs, state files, ZooKeeper, the event loop's own."""
 _AFTER_ABORT_S = 1.0
 _BEAT_EVERY_S = 1.0
 
@@ -71,7 +81,11 @@ def listen_socket(
             sock.listen(backlog)
     except OSError as e:
         sock.close()
-        raise ConfigurationError(f"cannot listen on {host}:{port}: {e}") from None
+        raise ConfigurationError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}"
+            + (" (another process has it: stop it, or choose another port)"
+               if e.errno == errno.EADDRINUSE else "")
+        ) from None  # fmt: skip
     return sock
 
 
@@ -85,21 +99,25 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def _fit_open_files(connections: int) -> None:
-    """Raise this process's soft limit on open files to fit ``connections`` (never
-    past the hard limit, never system-wide)."""
+def check_open_files(connections: int) -> None:
+    """Raise this process's soft limit on open files to fit ``connections`` client
+    connections and the files the server needs besides (never past the hard limit,
+    never system-wide). Raises ``ConfigurationError`` if the hard limit is too low:
+    a server out of files fails its high-water mark writes and its probes.
+
+    Call it first thing: it waits for nothing."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = connections + _SPARE_FDS
+    wanted = connections + SPARE_FDS
     if soft == resource.RLIM_INFINITY or soft >= wanted:
         return
-    new_soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    if new_soft > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
-    if new_soft < wanted:
-        log.warning(
-            "--max-connections %d needs %d open files; the hard limit allows %d",
-            connections, wanted, hard,
-        )  # fmt: skip
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        raise ConfigurationError(
+            f"--max-connections {connections} needs {wanted} open files ({SPARE_FDS} "
+            f"besides the connections), but the open-file limit is {soft} (soft) / {hard} "
+            f"(hard): raise it (`ulimit -n {wanted}`; LimitNOFILE={wanted} in a systemd "
+            f"unit) or lower --max-connections to {max(1, hard - SPARE_FDS)} or less"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def started_threads(count: int, name: str) -> ThreadPoolExecutor:
@@ -131,7 +149,9 @@ class ThriftServer:
     ``make_processor`` builds the processor of one connection around that
     connection's stats. ``settings.idle_timeout`` closes a connection that
     sends nothing for that long (0: never). ``tls`` serves TLS (with client
-    certificates if the context requires them).
+    certificates if the context requires them). ``bound``: the Thrift and HTTP
+    sockets, bound already (by the node, before its start-up waits); by default
+    :meth:`bind` binds them.
     """
 
     def __init__(
@@ -143,8 +163,10 @@ class ThriftServer:
         tls: ssl.SSLContext | None = None,
         backlog: int = 1024,
         heartbeat: Callable[[], None] = lambda: None,
+        bound: tuple[socket.socket | None, socket.socket | None] | None = None,
     ) -> None:
         self._make_processor = make_processor
+        self._bound = bound
         self._metrics = metrics
         self._settings = settings
         self._tls = tls
@@ -167,16 +189,19 @@ class ThriftServer:
         return the address bound (the real port if 0 was asked). Raises
         ``ConfigurationError`` if the address cannot be used."""
         settings = self._settings
-        listener = listen_socket(settings.host, settings.port, reuse_port=settings.reuse_port)
+        listener, http = self._bound or (None, None)
+        if listener is None:
+            listener = listen_socket(settings.host, settings.port, reuse_port=settings.reuse_port)
         listener.setblocking(False)
         self._listener = listener
         if settings.http:
-            http = listen_socket(
-                settings.http_host, settings.http_port, reuse_port=settings.reuse_port
-            )
+            if http is None:
+                http = listen_socket(
+                    settings.http_host, settings.http_port, reuse_port=settings.reuse_port
+                )
             http.setblocking(False)
             self._http_listener = http
-        _fit_open_files(settings.max_connections)
+        check_open_files(settings.max_connections)
         host, port = listener.getsockname()[:2]
         return host, port
 

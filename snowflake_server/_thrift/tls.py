@@ -28,14 +28,26 @@ def server_context(cert: str, key: str = "", client_ca: str = "") -> ssl.SSLCont
     try:
         context.load_cert_chain(cert, key or None)
     except (OSError, ssl.SSLError) as e:
-        raise ConfigurationError(f"--tls-cert {cert} / --tls-key {key or cert}: {e}") from None
+        raise ConfigurationError(
+            f"--tls-cert {cert} / --tls-key {key or cert}: {_why(e, 'a certificate and its key')}"
+        ) from None
     if client_ca:
         context.verify_mode = ssl.CERT_REQUIRED
         try:
             context.load_verify_locations(cafile=client_ca)
         except (OSError, ssl.SSLError) as e:
-            raise ConfigurationError(f"--tls-client-ca {client_ca}: {e}") from None
+            raise ConfigurationError(
+                f"--tls-client-ca {client_ca}: {_why(e, 'CA certificates')}"
+            ) from None
     return context
+
+
+def _why(error: OSError, expected: str) -> str:
+    """What a person can act on: the file's problem, not Python's exception text."""
+    if isinstance(error, ssl.SSLError):
+        detail = error.reason or error.library or error
+        return f"cannot load {expected} from it: not PEM, or they do not match ({detail})"
+    return f"cannot read it: {error.strerror or error}"
 
 
 class TlsSession:

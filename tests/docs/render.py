@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from snowflake_server import ServerSettings
+from snowflake_server._app.supervisor import Supervisor
 from snowflake_server._cluster.membership import Cluster
 from snowflake_server._config.options import GROUPS, OPTIONS, Option
 from snowflake_server._ids.clocks import wall_clock_ms
@@ -146,7 +147,8 @@ def metric_families(workdir: Path) -> list[Family]:
     cluster = Cluster(settings.cluster, slot, wall_clock_ms, "127.0.0.1:1", open_worker=_no_worker)
     seen = {f.name for f in standalone}
     clustered = _parse(_collected(cluster, CurrentReservation(slot)), "cluster mode")
-    return standalone + [f for f in clustered if f.name not in seen]
+    supervised = _parse(_collected(Supervisor(ServerSettings(processes=2))), "with `--processes`")
+    return standalone + [f for f in clustered if f.name not in seen] + supervised
 
 
 def metrics_section(families: list[Family]) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from snowflake_server._app.exits import ExitCode
 from snowflake_server._config.options import GROUPS, OPTIONS
 from tests.docs.render import (
     CONFIGURATION,
@@ -160,3 +161,24 @@ def test_relative_links_point_to_files_and_headings_that_exist(doc: Path) -> Non
         ):
             broken.append(f"{target}: no such heading")
     assert broken == [], f"broken links in {doc.relative_to(ROOT)}: {broken}"
+
+
+def test_the_exit_code_table_is_the_code_s_and_the_systemd_unit_s() -> None:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    table = section_after(text, "## Exit codes and refusals")
+    rows = re.findall(r"^\| (\d+) \| ([a-z ]+) \| .* \| (yes|no)[^|]* \|.*\|$", table, re.M)
+    documented = {int(code): name.replace(" ", "_").upper() for code, name, _ in rows}
+    assert documented == {code.value: code.name for code in ExitCode}
+    unit = (ROOT / "deploy" / "systemd" / "snowflake-server.service").read_text()
+    prevented = re.search(r"^RestartPreventExitStatus=(.*)$", unit, re.M)
+    assert prevented is not None
+    not_restarted = {int(code) for code, _, restarted in rows if restarted == "no"}
+    # 0 is a clean stop: Restart=on-failure does not restart it, whatever the list says.
+    assert {int(code) for code in prevented.group(1).split()} == not_restarted - {0}
+    assert re.search(r"^Restart=on-failure$", unit, re.M)
+
+
+def section_after(text: str, heading: str) -> str:
+    """The lines under ``heading``, to the next heading of any level."""
+    after = text.split(heading + "\n", 1)[1]
+    return after.split("\n#", 1)[0]

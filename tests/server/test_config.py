@@ -67,6 +67,63 @@ def test_bad_values_name_their_source(
         load_settings(argv, env)
 
 
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--port", "abc"], {}, "--port: invalid value 'abc': must be a whole number"),
+        (["--port", "1_0"], {}, "--port: invalid value '1_0': must be a whole number"),
+        (["--max-batch", "1e3"], {}, "--max-batch: invalid value '1e3': must be a whole number"),
+        (["--epoch", "0x10"], {}, "--epoch: invalid value '0x10': must be a whole number"),
+        (["--worker-id", "1_0"], {}, "must be a number, auto, ordinal, ip or mac"),
+        (["--idle-timeout", "x"], {}, "--idle-timeout: invalid value 'x': must be a number"),
+        (["--idle-timeout", "nan"], {}, "must be a number like 2 or 0.5"),
+        (["--drain-seconds", "1_0"], {}, "must be a number like 2 or 0.5"),
+    ],
+)
+def test_a_bad_number_is_said_in_words_not_in_python(
+    argv: list[str], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message) as raised:
+        load_settings(argv, env)
+    assert "literal" not in str(raised.value) and "convert" not in str(raised.value)
+
+
+def test_numbers_in_their_plain_forms_are_read() -> None:
+    s = load_settings(
+        ["--port", " +7610", "--idle-timeout", ".5", "--max-peer-skew", "inf"],
+        {"SNOWFLAKE_DRAIN_SECONDS": "2.5e0", "SNOWFLAKE_HTTP_PORT": "-1"},
+    )
+    assert (s.port, s.idle_timeout, s.max_peer_skew, s.drain_seconds) == (7610, 0.5, 1e999, 2.5)
+
+
+@pytest.mark.parametrize("variable", ["SNOWFLAKE_PORT", "SNOWFLAKE_METRICS_PORT"])
+def test_a_kubernetes_service_link_in_a_port_variable_is_explained(variable: str) -> None:
+    link = "tcp://10.0.0.1:7609"
+    with pytest.raises(ConfigurationError) as raised:
+        load_settings([], {variable: link})
+    message = str(raised.value)
+    assert message.startswith(f"{variable}: invalid value '{link}'")
+    assert "Kubernetes service link" in message and "enableServiceLinks: false" in message
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--prot", "5"], "unknown argument '--prot'; did you mean --port?"),
+        (["--worker-idd=3"], "unknown argument '--worker-idd=3'; did you mean --worker-id?"),
+        (["--zz-top"], "unknown argument '--zz-top'\n"),
+        (["7609"], "unknown argument '7609'\n"),
+    ],
+)
+def test_a_mistyped_flag_exits_2_naming_the_one_it_resembles(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        load_settings(argv, {})
+    assert exited.value.code == 2
+    assert said in capsys.readouterr().err
+
+
 def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="cannot read"):
         load_settings(["--config", str(tmp_path / "missing.toml")], {})
@@ -75,7 +132,7 @@ def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="not valid TOML"):
         load_settings(["--config", str(bad)], {})
     bad.write_text("prot = 1\n")
-    with pytest.raises(ConfigurationError, match="unknown setting 'prot'"):
+    with pytest.raises(ConfigurationError, match=r"unknown setting 'prot'; did you mean port\?"):
         load_settings(["--config", str(bad)], {})
     bad.write_text('port = "7609"\n')
     assert load_settings(["--config", str(bad)], {}).port == 7609

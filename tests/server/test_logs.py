@@ -16,6 +16,7 @@ from snowflake_server._errors import ConfigurationError
 from snowflake_server._observability.logs import (
     JsonFormatter,
     LogFile,
+    LogLimit,
     TextFormatter,
     configure_logging,
 )
@@ -120,3 +121,28 @@ def test_text_to_standard_error_by_default(
     logging.getLogger("snowflake_server.x").info("hidden")
     logging.getLogger("snowflake_server.x").warning("shown")
     assert re.fullmatch(f"{UTC_TIME} WARNING snowflake_server.x: shown\n", capsys.readouterr().err)
+
+
+def test_limited_lines_pass_in_a_burst_then_one_a_second_per_cause_with_a_summary(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    limit = LogLimit(burst=3, per_s=1.0, summary_every_s=10.0, clock=lambda: now[0])
+    peer = logging.getLogger("snowflake_server._thrift.connection")
+    safety = logging.getLogger("snowflake_server._state.reservation")
+
+    def passed(logger: logging.Logger, *args: object) -> bool:
+        made = logger.makeRecord(
+            logger.name, logging.INFO, "f", 1, "closing connection from %s", args, None
+        )
+        return limit.filter(made)
+
+    assert [passed(peer, f"10.0.0.{i}") for i in range(5)] == [True] * 3 + [False] * 2
+    assert all(passed(safety, "x") for _ in range(50)), "other loggers are never limited"
+    now[0] = 10.0
+    with caplog.at_level(logging.WARNING, logger="snowflake_server._observability.logs"):
+        assert passed(peer, "10.0.0.9")
+    assert "suppressed 2 lines like 'closing connection from %s'" in caplog.text
+    assert limit.suppressed["snowflake_server._thrift"] == 2
+    samples = {s.labels["logger"]: s.value for f in limit.collect() for s in f.samples}
+    assert samples["snowflake_server._thrift"] == 2 and samples["asyncio"] == 0

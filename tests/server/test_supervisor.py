@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from snowflake_thrift_client._transports import open_client
 
 from snowflake_server import decompose, load_settings
 from snowflake_server._app.node_id import WorkerIdOrigin, configured_origin
 from snowflake_server._app.supervisor import (
+    LIVE_BOUND_S,
     SUPERVISOR_PID_ENV,
+    UNRESPONSIVE_S,
     WORKER_ID_ORIGIN_ENV,
+    Supervisor,
     _Child,
     _ChildrenMetrics,
     child_argv,
@@ -178,3 +186,131 @@ def test_one_http_port_for_all_processes() -> None:
         assert workers == {3, 4}
     finally:
         assert server.stop() == 0
+
+
+# -- supervision: a wedged child, a child that cannot start, a stalled supervisor ------
+
+
+def worker_pid(supervisor: int, worker_id: int) -> int:
+    """The pid of the supervisor's child serving ``worker_id`` (from its command line)."""
+    for pid in child_pids(supervisor):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if argv[argv.index(b"--worker-id") + 1] == str(worker_id).encode():
+            return pid
+    raise AssertionError(f"no child serves worker {worker_id}")
+
+
+def restarts(server: ServerProcess, reason: str) -> float:
+    return parse_metrics(server.metrics()).get(
+        f'snowflake_supervisor_restarts_total{{reason="{reason}"}}', 0.0
+    )
+
+
+def timed_readyz(server: ServerProcess) -> tuple[float, int, str]:
+    started = time.monotonic()
+    status, body = server.http_get("/readyz")
+    return time.monotonic() - started, status, body
+
+
+class NewConnections:
+    """A client taking one id per new connection (1 s timeout) in a loop, as a load
+    balancer's clients do: which workers answered, and how long the longest hang was."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self._server = server
+        self._stop = threading.Event()
+        self.answered: list[tuple[float, int]] = []  # (when, worker)
+        self.hung: list[float] = []  # when each timed-out attempt began
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                client = open_client("127.0.0.1", self._server.port, "framed", 1.0)
+                try:
+                    worker = decompose(client.get_id("wedge")).worker_id
+                finally:
+                    client.close()
+            except Exception:  # noqa: BLE001 - a timeout on the stopped child's socket
+                self.hung.append(began)
+                continue
+            self.answered.append((time.monotonic(), worker))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def test_a_stopped_process_is_killed_and_replaced_while_the_other_serves(
+    pair: ServerProcess,
+) -> None:
+    wedged, healthy = worker_pid(pair.process.pid, 3), worker_pid(pair.process.pid, 4)
+    load = NewConnections(pair)
+    try:
+        wait_until(lambda: len(load.answered) >= 20, "ids before the wedge")
+        os.kill(wedged, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        took, status, body = timed_readyz(pair)
+        assert took < 2.5, f"/readyz took {took:.2f} s during the wedge"
+        assert status == 503 and '"1": "ok"' in body and "process 0: did not answer" in body
+        wait_until(lambda: wedged not in child_pids(pair.process.pid), "the wedged child killed")
+        killed_after = time.monotonic() - stopped_at
+        wait_until(lambda: pair.http_get("/readyz")[0] == 200, "its replacement ready")
+        replaced_after = time.monotonic() - stopped_at
+        assert worker_pid(pair.process.pid, 4) == healthy, "the healthy child was not touched"
+        during = [w for t, w in load.answered if stopped_at < t < stopped_at + killed_after]
+        assert during and set(during) == {4}, "the healthy child served on meanwhile"
+        wait_until(
+            lambda: {w for t, w in load.answered if t > stopped_at + replaced_after} == {3, 4},
+            "the replacement serves worker 3 again",
+        )
+    finally:
+        load.stop()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(wedged, signal.SIGCONT)
+    bound = UNRESPONSIVE_S + 3.0  # the failed polls, plus a round and a poll's deadline
+    assert killed_after < bound, f"killed {killed_after:.1f} s after the wedge (bound {bound})"
+    assert restarts(pair, "unresponsive") == 1 and restarts(pair, "exited") == 0
+    hangs = [t for t in load.hung if t > stopped_at]
+    print(
+        f"wedge: killed after {killed_after:.1f} s, serving again after {replaced_after:.1f} s;"
+        f" {len(hangs)} new connections hung meanwhile, {len(during)} ids from the other child"
+    )
+    assert "failed /livez 3 times" in pair.log()
+
+
+def test_a_process_that_cannot_start_is_restarted_with_growing_delays(
+    pair: ServerProcess,
+) -> None:
+    assert pair.state_dir is not None
+    child = worker_pid(pair.process.pid, 3)
+    os.kill(child, signal.SIGSTOP)  # so that it writes its state file no more
+    (pair.state_dir / "worker-0-3.json").write_text("not json")
+    os.kill(child, signal.SIGKILL)
+    first = time.monotonic()
+    wait_until(lambda: restarts(pair, "exited") >= 4, "four failed starts", 30)
+    window = time.monotonic() - first
+    delays = re.findall(r"process 0 \(worker 3, .*: restarting it in (\S+) s", pair.log())
+    assert delays[:4] == ["0.5", "1", "2", "4"], delays
+    # The fourth failure comes after the first three delays (0.5 + 1 + 2 s) and four
+    # starts; without backoff a start failed every 0.7 s (11 in 8 s).
+    assert window >= 3.5, f"4 failed starts in {window:.1f} s: no backoff"
+    took, status, body = timed_readyz(pair)
+    assert took < 2.5 and status == 503 and "restarting in" in body and '"1": "ok"' in body
+    assert decompose(pair.raw_client().get_id("still")).worker_id in {4}
+    assert restarts(pair, "unresponsive") == 0
+
+
+def test_the_supervisors_livez_fails_when_its_loop_stalls() -> None:
+    now = [100.0]
+    supervisor = Supervisor(load_settings(["--processes", "2"], {}), clock=lambda: now[0])
+    assert supervisor.live() is None, "alive while starting"
+    supervisor.supervise_once()  # no children: a round all the same
+    now[0] += LIVE_BOUND_S
+    assert supervisor.live() is None
+    now[0] += 0.5
+    assert supervisor.live() == "the supervision loop has not completed a round for 10.5 s"
+    supervisor.supervise_once()
+    assert supervisor.live() is None
