@@ -2,7 +2,7 @@
 
 Znodes under ``--zk-path`` (``/snowflake-servers`` by default)::
 
-    layout                        persistent, the cluster's layout (JSON), written by its first node
+    layout                        persistent, the cluster's layout (JSON): see below
     nodes/<datacenter>/<worker>   ephemeral, "host:port" of the node holding that worker id
     marks/<datacenter>/<worker>   persistent, the worker id's high-water mark in ms and its layout
 
@@ -20,8 +20,21 @@ into ZooKeeper first (a ZooKeeper that lost its data lost them too), then
 registers again (same id if free, otherwise another, with that id's mark); a
 client stuck in SUSPENDED (a ZooKeeper that came back empty) is replaced by a
 new one. Every ZooKeeper call of a registration ends within
-``--zk-connect-timeout``, so a ZooKeeper that vanishes during start-up refuses
-it in about that time.
+``--zk-connect-timeout``, so a ZooKeeper that vanishes during start-up defers
+it (``StartupDeferred``, exit 75) in about that time.
+
+The layout znode is the cluster's layout, and it must be the layout of the
+marks (each mark records the layout its ids were made with). A node of another
+layout is refused at start, ``--skip-sanity-checks`` or not. A missing layout
+znode is recorded again from the marks (a node refuses to start if they
+disagree among themselves), and from the newcomer's layout only when there is
+no mark at all. Running nodes read it at each supervision tick, which needs no
+watch to survive reconnections and expired sessions: a deleted one is recorded
+again from the node's own layout; one that differs from the node's layout is
+written back (compare and set) if every mark agrees with the node's layout (the
+record is wrong: one bad write must not stop the cluster); otherwise the node,
+whose layout is not the cluster's, stops handing out ids (``/readyz`` says why)
+until the record is its layout again.
 
 A worker id without a mark in ZooKeeper is either new or was used before
 ZooKeeper lost its data, perhaps by a node whose clock is ahead of ours. So the
@@ -44,20 +57,27 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import KazooException, NodeExistsError
+from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from snowflake_thrift_client import Layout
 
 from .._config.settings import ClusterSettings
-from .._errors import ClockBehindMark, ReservationError, StartupRefused
+from .._errors import (
+    ClockBehindMark,
+    ReservationError,
+    StartupDeferred,
+    StartupInterrupted,
+    StartupRefused,
+)
 from .._ids.clocks import boot_clock
 from .._observability.metrics import counter_by
 from .._state.reservation import MarkStore
 from .._state.statefile import layout_to_json
 from .._state.worker import Worker, WorkerSlot
-from .peers import check_peers
+from .peers import check_peers, children
 from .session import GrantedTimeout, watch_granted_timeout
 from .zkmarks import (
     ZK_MARK_AHEAD_MS,
@@ -65,6 +85,7 @@ from .zkmarks import (
     ZkMarkStore,
     describe_layout,
     layout_from_json,
+    mark_layout,
     restore_marks,
     session_id,
     zk_call,
@@ -80,6 +101,7 @@ store and its margin); the seconds waited for a worker id with no mark in
 ZooKeeper (None: it has one); see :meth:`Worker.open`."""
 
 _OP_TIMEOUT_S = 2.0
+_CONNECT_POLL_S = 0.05  # how soon a stop ends the wait for ZooKeeper's connection
 _GHOST_RETRIES = 2  # Twitter's: retry twice, 1 s apart; it may be our own ghost
 
 
@@ -89,6 +111,20 @@ def advertised_address(settings: ClusterSettings, bound_port: int) -> str:
     if host in ("0.0.0.0", "::", ""):
         host = socket.getfqdn()
     return f"{host}:{settings.advertise_port or bound_port}"
+
+
+def _layout_data(layout: Layout) -> bytes:
+    return json.dumps(layout_to_json(layout), sort_keys=True).encode()
+
+
+def _parse_layout(path: str, data: bytes) -> Layout:
+    """The layout recorded in the layout znode ``path``; ``StartupRefused`` if it is none."""
+    try:
+        return layout_from_json(json.loads(data.decode()))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise StartupRefused(
+            f"the cluster's layout in ZooKeeper {path} is not a layout ({e}); repair it by hand"
+        ) from None
 
 
 class Cluster(Collector):
@@ -134,7 +170,8 @@ class Cluster(Collector):
         self._wait = settings.zk_connect_timeout
         self._layout_path = f"{settings.zk_path}/layout"
         self._nodes = f"{settings.zk_path}/nodes/{self._dc}"
-        self._marks = f"{settings.zk_path}/marks/{self._dc}"
+        self._marks_root = f"{settings.zk_path}/marks"
+        self._marks = f"{self._marks_root}/{self._dc}"
         self._client: Any = None
         self._node: str | None = None
         self._needs_register = False
@@ -142,6 +179,8 @@ class Cluster(Collector):
         self._held: tuple[int, tuple[int, ...], int] | None = None
         self._suspended_since: float | None = None
         self._last_contact = float("-inf")
+        # Why this node stopped handing out ids: its layout is not the recorded one.
+        self._layout_stop: str | None = None
         self._events: Counter[str] = Counter()
         self._skipped: Counter[str] = Counter()
         self.registrations = 0
@@ -154,11 +193,29 @@ class Cluster(Collector):
 
     # -- start-up -------------------------------------------------------------
 
+    def interrupt(self) -> None:
+        """A stop arrived while starting (SIGTERM): every start-up wait ends at once and
+        the step in progress raises ``StartupInterrupted``; :meth:`close` then removes
+        what was registered. Safe from any thread, idempotent; nothing else to call.
+
+        The waits it ends: ZooKeeper's connection, the peer checks' tries, the retries
+        of a held static worker id, the first-start wait. A ZooKeeper call already
+        under way ends within ``--zk-connect-timeout`` as always. A node interrupted
+        before its worker was opened has written no mark, in ZooKeeper or on disk: its
+        next start waits the first-start wait again."""
+        self._stop.set()
+
+    def _interrupted(self, doing: str) -> None:
+        if self._stop.is_set():
+            raise StartupInterrupted(f"stopping while {doing}; not registered")
+
     def connect(self) -> None:
-        """Open a session, or raise ``StartupRefused`` within ``--zk-connect-timeout``."""
+        """Open a session, or raise ``StartupDeferred`` within ``--zk-connect-timeout``
+        (``StartupInterrupted`` at once after :meth:`interrupt`)."""
         self._client = self._start_client()
+        self._interrupted("connecting to ZooKeeper")
         if self._client is None:
-            raise StartupRefused(
+            raise StartupDeferred(
                 f"cannot reach ZooKeeper at {self._settings.zookeeper} within "
                 f"{self._settings.zk_connect_timeout:g} s (--zk-connect-timeout); is it running "
                 "and is --zookeeper right?"
@@ -175,21 +232,31 @@ class Cluster(Collector):
         )
         self._granted = watch_granted_timeout(client, self._timeout)
         client.add_listener(self._on_state)
-        try:
-            client.start(timeout=self._settings.zk_connect_timeout)
-        except KazooTimeoutError:
-            client.stop()
-            client.close()
-            return None
+        # kazoo's start(timeout) waits out its timeout whatever happens: wait for its
+        # connection ourselves, so that a stop ends the wait.
+        connected = client.start_async()
+        deadline = boot_clock() + self._settings.zk_connect_timeout
+        while not connected.wait(_CONNECT_POLL_S):
+            if self._stop.is_set() or boot_clock() > deadline:
+                client.stop()
+                client.close()
+                return None
         return client
 
     def check_peers(self) -> None:
         """Twitter's sanity checks against every registered peer (see ``peers``)."""
-        check_peers(self._client, self._settings, self.address, self._clock, self._sleep)
+        self._interrupted("about to ask the registered peers")
+        check_peers(
+            self._client, self._settings, self.address, self._clock, self._sleep,
+            self._stop.is_set,
+        )  # fmt: skip
 
     def register(self) -> None:
         """Take a worker id (retrying a held static one twice, 1 s apart, as Twitter
-        did), honour its marks and start serving it. ``StartupRefused`` if none."""
+        did), honour its marks and start serving it. ``StartupRefused`` if starting
+        could repeat ids, ``StartupDeferred`` if it may pass by itself (a static id
+        still held), ``StartupInterrupted`` after :meth:`interrupt`."""
+        self._interrupted("about to register")
         self._register(preferred=None, patient=True)
         self._thread = threading.Thread(target=self._supervise, name="zookeeper", daemon=True)
         self._thread.start()
@@ -233,7 +300,7 @@ class Cluster(Collector):
             except ReservationError as e:
                 # Its first write was refused: a node put the id's mark back meanwhile.
                 self._delete(node)
-                raise StartupRefused(
+                raise StartupDeferred(
                     f"worker id {worker_id}: {e}; its high-water mark changed while this node "
                     "took it; start again (it will honour the new mark)"
                 ) from None
@@ -274,12 +341,13 @@ class Cluster(Collector):
                 worker_id, path, wait,
             )  # fmt: skip
             self._sleep(wait)
-            if self._stop.is_set():
-                raise StartupRefused("stopping: no registration")
+            # Before any mark is written: a mark written now would let the next start
+            # skip the very wait that guards a mark ZooKeeper lost.
+            self._interrupted(f"waiting --first-start-wait for the mark of {path}")
             # The node must still be ours, in the session that created it: after the wait
             # the store is bound to the session current then.
             if not self._owned(node, f"waiting for the mark of {path}"):
-                raise StartupRefused(
+                raise StartupDeferred(
                     f"the registration {node} was lost while waiting for its high-water mark"
                 )
             store = load()
@@ -300,29 +368,69 @@ class Cluster(Collector):
         return zk_call(self._client, self._wait, what, method, *args, **kwargs)
 
     def _check_layout(self) -> None:
-        """Record our layout as the cluster's, or refuse one that differs from it."""
+        """Refuse a node whose layout is not the cluster's: the one recorded in the
+        layout znode, recorded first (see :meth:`_record_layout`) if it is missing."""
         path = self._layout_path
         ours = self._layout
-        data = json.dumps(layout_to_json(ours), sort_keys=True).encode()
         try:
-            self._call(f"recording the layout in {path}", "create", path, data, makepath=True)
-            log.info("recorded the cluster's layout in %s: %s", path, describe_layout(ours))
-            return
-        except NodeExistsError:
-            pass
-        found, _ = self._call(f"reading the layout in {path}", "get", path)
-        try:
-            theirs = layout_from_json(json.loads(found.decode()))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise StartupRefused(
-                f"the cluster's layout in ZooKeeper {path} is not a layout ({e}); repair it by hand"
-            ) from None
+            found, _ = self._call(f"reading the layout in {path}", "get", path)
+        except NoNodeError:
+            theirs, where = self._record_layout(), f"{path}, recorded from its marks"
+        else:
+            theirs, where = _parse_layout(path, found), path
         if theirs != ours:
             raise StartupRefused(
                 f"Layout insanity: this node would make ids with {describe_layout(ours)}, but the "
-                f"cluster ({path}) makes them with {describe_layout(theirs)}; two layouts in one "
+                f"cluster ({where}) makes them with {describe_layout(theirs)}; two layouts in one "
                 "cluster hand out the same ids: start with the cluster's --epoch and --*-bits"
             )
+
+    def _record_layout(self) -> Layout:
+        """Record the cluster's layout where its znode is missing: the layout of the
+        marks (the ids handed out so far were made with it), or ours if there is no
+        mark anywhere. ``StartupRefused`` if the marks disagree among themselves."""
+        path = self._layout_path
+        found = self._marks_layouts()
+        if len(found) > 1:
+            which = "; ".join(
+                f"{describe_layout(layout)}: {', '.join(paths)}" for layout, paths in found.items()
+            )
+            raise StartupRefused(
+                f"the cluster's layout znode {path} is missing and the high-water marks were "
+                f"made under {len(found)} layouts ({which}); two layouts in one cluster hand "
+                f"out the same ids: repair it by hand (record the cluster's layout in {path})"
+            )
+        layout = next(iter(found), self._layout)
+        try:
+            self._call(
+                f"recording the layout in {path}", "create", path, _layout_data(layout),
+                makepath=True,
+            )  # fmt: skip
+        except NodeExistsError:  # recorded by another node meanwhile: that one counts
+            data, _ = self._call(f"reading the layout in {path}", "get", path)
+            return _parse_layout(path, data)
+        source = "its high-water marks" if found else "this node, its first"
+        log.info(
+            "recorded the cluster's layout in %s from %s: %s", path, source,
+            describe_layout(layout),
+        )  # fmt: skip
+        return layout
+
+    def _marks_layouts(self) -> dict[Layout, list[str]]:
+        """The layouts the marks under ``marks/`` were made with, and which marks."""
+        root = self._marks_root
+        found: dict[Layout, list[str]] = {}
+        for dc in children(self._client, root, self._wait):
+            for worker in children(self._client, f"{root}/{dc}", self._wait):
+                path = f"{root}/{dc}/{worker}"
+                try:
+                    data, _ = self._call(f"reading {path}", "get", path)
+                except NoNodeError:
+                    continue
+                layout = mark_layout(data)
+                if layout is not None:
+                    found.setdefault(layout, []).append(f"marks/{dc}/{worker}")
+        return found
 
     def _lease(self, preferred: int | None, patient: bool, skipped: set[int]) -> int:
         self._call(f"creating {self._nodes}", "ensure_path", self._nodes)
@@ -335,11 +443,17 @@ class Cluster(Collector):
                     return worker_id
                 if attempt < _GHOST_RETRIES and patient:
                     self._sleep(1.0)
-            raise StartupRefused(
+                    self._interrupted(f"retrying the held worker id {worker_id}")
+            # Deferred (exit 75), not refused: the holder may be a node that just crashed,
+            # whose registration lasts until its session expires; a replacement started at
+            # once is restarted by its supervisor until then. A genuine duplicate is
+            # refused at every try and nothing is written meanwhile: the loop is harmless,
+            # and its log names the holder each time.
+            raise StartupDeferred(
                 f"worker id {worker_id} of datacenter {self._dc} is registered by "
                 f"{self._holder(path)} ({path}); two nodes with one worker id would hand out "
-                "the same ids: stop that node, wait for its session to expire, or use another "
-                "--worker-id (or auto)"
+                "the same ids: if that node just stopped, a later start passes once its "
+                "session expires; otherwise stop it or use another --worker-id (or auto)"
             )
         max_id = self._layout.max_worker_id
         order = [w for w in range(max_id + 1) if w not in skipped]
@@ -377,7 +491,7 @@ class Cluster(Collector):
         try:
             data, _ = self._call(f"reading {path}", "get", path)
             return str(data.decode(errors="replace"))
-        except (KazooException, StartupRefused):
+        except (KazooException, StartupRefused, StartupDeferred):
             return "another node"
 
     def _delete(self, node: str) -> None:
@@ -422,7 +536,7 @@ class Cluster(Collector):
         while not self._stop.wait(self._every or min(1.0, self.session_timeout / 4)):
             try:
                 self._tick()
-            except StartupRefused as e:
+            except (StartupRefused, StartupDeferred) as e:
                 log.error("cannot register again yet: %s", e)
             except Exception as e:  # noqa: BLE001 - retried on the next tick
                 log.warning("ZooKeeper supervision: %s: %s", type(e).__name__, e)
@@ -442,6 +556,7 @@ class Cluster(Collector):
             self._register_again()
             return
         self._heartbeat()
+        self._keep_layout()
 
     def _heartbeat(self) -> None:
         node = self._node
@@ -463,8 +578,58 @@ class Cluster(Collector):
         # least sent + session timeout (the granted one); stop a little earlier.
         assert timeout is not None
         self._last_contact = sent
+        if self._layout_stop is not None:
+            return  # closed until the recorded layout is ours again (_keep_layout)
         self._slot.open_until = sent + 0.9 * timeout
         self._slot.closed_reason = "ZooKeeper unreachable for longer than the session allows"
+
+    def _keep_layout(self) -> None:
+        """Keep the layout znode the cluster's (see the module's docstring), or stop
+        handing out ids if this node's layout is not the cluster's."""
+        path, ours = self._layout_path, self._layout
+        try:
+            data, stat = self._client.get_async(path).get(timeout=_OP_TIMEOUT_S)
+        except NoNodeError:
+            try:
+                self._client.create_async(path, _layout_data(ours)).get(timeout=_OP_TIMEOUT_S)
+            except NodeExistsError:
+                return  # recorded by another node meanwhile: read at the next tick
+            log.warning(
+                "the cluster's layout znode %s was gone: recorded it again from this node's "
+                "layout (%s), the layout of its marks", path, describe_layout(ours),
+            )  # fmt: skip
+            return
+        try:
+            recorded: Layout | None = _parse_layout(path, data)
+        except StartupRefused:
+            recorded = None
+        if recorded == ours:
+            if self._layout_stop is not None:
+                log.warning("the cluster's layout in %s is this node's again: serving", path)
+                self._layout_stop = None
+            return
+        shown = "something that is not a layout" if recorded is None else describe_layout(recorded)
+        if set(self._marks_layouts()) == {ours}:
+            # Every id marked so far was made with our layout: the record is wrong.
+            try:
+                self._client.set_async(path, _layout_data(ours), version=stat.version).get(
+                    timeout=_OP_TIMEOUT_S
+                )
+            except BadVersionError:
+                return  # changed again meanwhile: read at the next tick
+            log.error(
+                "the cluster's layout znode %s said %s, but every high-water mark was made "
+                "with %s (this node's): wrote it back", path, shown, describe_layout(ours),
+            )  # fmt: skip
+            return
+        reason = (
+            f"this node's layout ({describe_layout(ours)}) is not the cluster's, recorded "
+            f"in {path} ({shown}); two layouts in one cluster hand out the same ids"
+        )
+        if self._layout_stop is None:
+            log.error("stopped handing out ids: %s", reason)
+        self._layout_stop = reason
+        self._slot.close(reason)
 
     def _register_again(self) -> None:
         old = self._slot.retire()

@@ -2,15 +2,25 @@
 
 A node asks each registered peer for its worker id, datacenter id and time
 before it registers, and for its layout: a peer answering with ids other than
-those registered at its address (worker or datacenter insanity), a layout
-other than ours (layout insanity), an unreachable peer, or a mean clock offset
-beyond ``--max-peer-skew`` refuses start-up. A peer without ``get_layout``
-(Twitter's server) is not asked for it; the layout recorded in ZooKeeper
-covers it. A peer refusing connections is asked again for a while: a node
-registers first and listens only once it can serve, which may take its start-up
-waits (``--first-start-wait``, then ``--max-startup-wait`` for its clock; the
-cluster's nodes are assumed to share them), so a check in between meets a
-refused connection.
+those registered at its address (worker or datacenter insanity) or a layout
+other than ours (layout insanity) refuses start-up (``StartupRefused``, exit 3:
+a registration that lies, or two layouts, does not pass by itself). A peer
+without ``get_layout`` (Twitter's server) is not asked for it; the layout
+recorded in ZooKeeper covers it.
+
+A peer that does not answer (it refuses connections, times out, hangs up) is
+asked again for a while: a node registers first and listens only once it can
+serve, which may take its start-up waits (``--first-start-wait``, then
+``--max-startup-wait`` for its clock; the cluster's nodes are assumed to share
+them), so a check in between meets a refused connection. Meanwhile its
+registrations are read again: a node that crashed leaves its registration
+behind until its session expires, and once it is gone the address is no peer
+any more (skipped, and logged). A peer still registered and silent after
+:func:`refused_retry_s` (one bound for the whole check) defers the start
+(``StartupDeferred``, exit 75: try again later). So does a mean clock offset
+beyond ``--max-peer-skew``: the clocks must be fixed (NTP), but nothing was
+registered and a later start passes once they are, so a supervisor's restarts
+pick the node up without an operator; its log says why at each try.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from thriftpy2.thrift import TApplicationException
 from thriftpy2.transport import TTransportException
 
 from .._config.settings import ClusterSettings
-from .._errors import StartupRefused
+from .._errors import StartupDeferred, StartupInterrupted, StartupRefused
 from .zkmarks import describe_layout, zk_call
 
 __all__ = ["check_peers", "children", "refused_retry_s"]
@@ -37,12 +47,15 @@ log = logging.getLogger(__name__)
 
 _PEER_TIMEOUT_S = 1.0
 _REFUSED_POLL_S = 0.05
+_REREAD_EVERY = 10  # failed tries of a peer between two reads of its registrations
 _MAX_STARTUP_COUNTED_S = 60.0  # an unbounded --max-startup-wait counts as this much
 _REFUSED_MARGIN_S = 5.0
 
+Pair = tuple[int, int]  # (datacenter, worker)
+
 
 def refused_retry_s(settings: ClusterSettings) -> float:
-    """How long a registered peer that refuses connections is asked again: as long as
+    """How long the checks wait for registered peers that do not answer: as long as
     a node may take between registering and listening, and a margin."""
     startup = min(settings.max_startup_wait, _MAX_STARTUP_COUNTED_S)
     return settings.first_start_wait + startup + _REFUSED_MARGIN_S
@@ -50,7 +63,7 @@ def refused_retry_s(settings: ClusterSettings) -> float:
 
 def children(client: Any, path: str, timeout_s: float = 10.0) -> list[str]:
     """The children of ``path`` in numeric order (none if it does not exist), read
-    within ``timeout_s`` (``StartupRefused`` otherwise)."""
+    within ``timeout_s`` (``StartupDeferred`` otherwise)."""
     try:
         names = zk_call(client, timeout_s, f"reading the registrations in {path}",
                         "get_children", path)  # fmt: skip
@@ -59,79 +72,187 @@ def children(client: Any, path: str, timeout_s: float = 10.0) -> list[str]:
         return []
 
 
+def _never() -> bool:
+    return False
+
+
 def check_peers(
     client: Any,
     settings: ClusterSettings,
     address: str,
     clock: Callable[[], int],
     sleep: Callable[[float], object] = time.sleep,
+    stopped: Callable[[], bool] = _never,
 ) -> None:
     """Check every peer registered under ``settings.zk_path`` (except ``address``,
-    our own); ``StartupRefused`` naming the peer and the number that was wrong.
-    ``sleep`` waits between the tries of a peer that refuses connections."""
+    our own), naming the peer and the number that was wrong: ``StartupRefused`` for
+    insanity, ``StartupDeferred`` for a peer silent past the bound or clocks too far
+    apart. ``sleep`` waits between the tries of a peer that does not answer; once
+    ``stopped()`` says so after a wait, ``StartupInterrupted``."""
     if settings.skip_sanity_checks:
         log.warning("--skip-sanity-checks: not asking registered peers")
         return
     root = f"{settings.zk_path}/nodes"
-    # One address may hold several registrations (a node run with --processes: any
-    # of its processes may answer), so each address is asked once.
-    registered: dict[str, set[tuple[int, int]]] = {}
     wait = settings.zk_connect_timeout
-    for dc_name in children(client, root, wait):
-        for worker_name in children(client, f"{root}/{dc_name}", wait):
-            path = f"{root}/{dc_name}/{worker_name}"
-            try:
-                data, _ = zk_call(client, wait, f"reading the registration {path}", "get", path)
-            except NoNodeError:
-                continue  # gone meanwhile
-            peer = data.decode(errors="replace")
-            registered.setdefault(peer, set()).add((int(dc_name), int(worker_name)))
+    registered = _registrations(client, root, wait)
     # Our own address: sibling processes on this host and clock (and our own socket,
     # which refuses connections until we listen).
     registered.pop(address, None)
+
+    def still_registered(peer: str, pairs: set[Pair]) -> set[Pair]:
+        return {pair for pair in pairs if _registered_at(client, root, pair, wait) == peer}
+
+    budget = _Budget(sleep, stopped, refused_retry_s(settings))
     transport, layout = settings.transport, settings.layout
-    retry_s = refused_retry_s(settings)
-    skews = [
-        (peer, _check_peer(peer, ids, transport, clock, layout, _Dial(sleep, retry_s)))
-        for peer, ids in registered.items()
-    ]
+    skews: list[tuple[str, int]] = []
+    for at, ids in registered.items():
+        skew = _check_peer(_Peer(at, ids, still_registered, budget), transport, clock, layout)
+        if skew is not None:
+            skews.append((at, skew))
     if not skews:
         log.info("no registered peers to check")
         return
     mean = sum(skew for _, skew in skews) / len(skews)
     if abs(mean) > settings.max_peer_skew * 1000:
         detail = ", ".join(f"{peer} {skew:+d} ms" for peer, skew in skews)
-        raise StartupRefused(
+        raise StartupDeferred(
             f"our clock is {abs(mean):.0f} ms {'behind' if mean > 0 else 'ahead of'} the "
             f"mean of {len(skews)} peers' clocks, more than --max-peer-skew "
             f"{settings.max_peer_skew:g} s (peers relative to us: {detail}); fix "
-            "the clocks (NTP)"
+            "the clocks (NTP): a later start passes once they agree"
         )
     log.info("%d peer(s) sane; mean clock offset %+.0f ms", len(skews), mean)
 
 
+def _registrations(client: Any, root: str, wait: float) -> dict[str, set[Pair]]:
+    """The (datacenter, worker) pairs registered at each address under ``root``.
+
+    One address may hold several registrations (a node run with --processes: any
+    of its processes may answer), so each address is asked once."""
+    registered: dict[str, set[Pair]] = {}
+    for dc_name in children(client, root, wait):
+        for worker_name in children(client, f"{root}/{dc_name}", wait):
+            pair = (int(dc_name), int(worker_name))
+            peer = _registered_at(client, root, pair, wait)
+            if peer is not None:
+                registered.setdefault(peer, set()).add(pair)
+    return registered
+
+
+def _registered_at(client: Any, root: str, pair: Pair, wait: float) -> str | None:
+    """The address registered for ``pair``; None if it is not registered."""
+    path = f"{root}/{pair[0]}/{pair[1]}"
+    try:
+        data, _ = zk_call(client, wait, f"reading the registration {path}", "get", path)
+    except NoNodeError:
+        return None  # gone meanwhile
+    return str(data.decode(errors="replace"))
+
+
+class _Budget:
+    """The seconds the checks may spend on peers that do not answer, shared by all
+    of them (they start and wait side by side): the waits between tries, counted by
+    what was asked of ``sleep``, and the time the failed tries took."""
+
+    def __init__(
+        self, sleep: Callable[[float], object], stopped: Callable[[], bool], bound_s: float
+    ) -> None:
+        self._sleep = sleep
+        self._stopped = stopped
+        self.bound_s = bound_s
+        self.spent_s = 0.0
+
+    @property
+    def exhausted(self) -> bool:
+        return self.spent_s >= self.bound_s
+
+    def wait(self) -> None:
+        """Wait before the next try; ``StartupInterrupted`` if a stop came meanwhile."""
+        self._sleep(_REFUSED_POLL_S)
+        self.spent_s += _REFUSED_POLL_S
+        if self._stopped():
+            raise StartupInterrupted(
+                "stopping while the peer checks waited for a peer; nothing was registered"
+            )
+
+
+class _Peer:
+    """A registered peer: its address, the pairs still registered there, and its tries."""
+
+    def __init__(
+        self,
+        address: str,
+        registered: set[Pair],
+        still_registered: Callable[[str, set[Pair]], set[Pair]],
+        budget: _Budget,
+    ) -> None:
+        self.address = address
+        self.registered = set(registered)
+        self._still_registered = still_registered
+        self._budget = budget
+
+    @property
+    def where(self) -> str:
+        as_text = ", ".join(f"datacenter {dc}, worker {w}" for dc, w in sorted(self.registered))
+        return f"peer {self.address} (registered as {as_text})"
+
+    def ask(
+        self, transport: str, clock: Callable[[], int]
+    ) -> tuple[Pair, int, Layout | None] | None:
+        """An answer (see :func:`_ask_peer`), asking again while it does not answer;
+        None once none of its registrations is left: not a peer any more.
+        ``StartupDeferred`` if it is still registered and silent past the bound."""
+        failures = 0
+        while True:
+            started = time.monotonic()
+            try:
+                return _ask_peer(self.address, transport, clock)
+            except _NoAnswer as e:
+                problem = str(e)
+            self._budget.spent_s += time.monotonic() - started
+            if failures % _REREAD_EVERY == 0 or self._budget.exhausted:
+                before = self.where
+                self.registered = self._still_registered(self.address, self.registered)
+                if not self.registered:
+                    log.warning(
+                        "%s does not answer (%s) and is not registered any more: not a peer "
+                        "(a node gone, its session expired); skipping it", before, problem,
+                    )  # fmt: skip
+                    return None
+            failures += 1
+            if self._budget.exhausted:
+                raise StartupDeferred(
+                    f"{self.where} is unreachable: {problem}; it stayed registered and silent "
+                    f"for the {self._budget.bound_s:g} s the peer checks wait (as long as a node "
+                    "may take to listen after registering): try again later; if it is gone for "
+                    "good its registration expires with its session, or start with "
+                    "--skip-sanity-checks"
+                )
+            self._budget.wait()
+
+
 def _check_peer(
-    peer: str,
-    registered: set[tuple[int, int]],
-    transport: str,
-    clock: Callable[[], int],
-    layout: Layout,
-    dial: _Dial,
-) -> int:
+    peer: _Peer, transport: str, clock: Callable[[], int], layout: Layout
+) -> int | None:
     """The peer's clock minus ours, in ms, after checking its ids against the
-    (datacenter, worker) pairs registered at its address, and its layout against ours.
+    (datacenter, worker) pairs registered at its address, and its layout against ours;
+    None if it is not registered any more (see :meth:`_Peer.ask`).
 
     Several pairs at one address are the processes of one node (``--processes``):
     the kernel picks which one answers a connection, so connections are opened
     (up to 8 per pair) until each registered pair has answered. An answer that is
     not registered there, or a registered pair that never answers, is insanity.
     """
-    as_text = ", ".join(f"datacenter {dc}, worker {w}" for dc, w in sorted(registered))
-    where = f"peer {peer} (registered as {as_text})"
-    answered: set[tuple[int, int]] = set()
+    answered: set[Pair] = set()
     skew: int | None = None
-    for _ in range(8 * len(registered)):
-        pair, offset, theirs = _ask_peer(peer, where, transport, clock, dial)
+    tries = 0
+    while tries < 8 * len(peer.registered):
+        answer = peer.ask(transport, clock)
+        if answer is None:
+            return None
+        tries += 1
+        pair, offset, theirs = answer
+        where = peer.where
         if theirs is None:
             log.warning(
                 "%s has no get_layout (Twitter's server?): its layout is not checked; the "
@@ -144,55 +265,36 @@ def _check_peer(
                 f"would make them with {describe_layout(layout)}; two layouts in one cluster "
                 "hand out the same ids: start with the cluster's --epoch and --*-bits"
             )
-        if pair[1] not in {w for _, w in registered}:
+        if pair[1] not in {w for _, w in peer.registered}:
             raise StartupRefused(f"Worker id insanity: {where} says it is worker {pair[1]}")
-        if pair not in registered:
+        if pair not in peer.registered:
             raise StartupRefused(
                 f"Datacenter id insanity: {where} says it is in datacenter {pair[0]}"
             )
         answered.add(pair)
         skew = offset if skew is None else skew
-        if answered == registered:
+        if peer.registered <= answered:
             return skew
-    missing = "; ".join(f"datacenter {dc}, worker {w}" for dc, w in sorted(registered - answered))
+    missing = "; ".join(
+        f"datacenter {dc}, worker {w}" for dc, w in sorted(peer.registered - answered)
+    )
     raise StartupRefused(
-        f"Worker id insanity: {where} never answered as {missing} in "
-        f"{8 * len(registered)} connections"
+        f"Worker id insanity: {peer.where} never answered as {missing} in {tries} connections"
     )
 
 
-class _Dial:
-    """Opens clients of peers, asking a peer that refuses connections again every
-    ``_REFUSED_POLL_S`` for at most ``retry_s`` (``sleep`` waits between tries)."""
-
-    def __init__(self, sleep: Callable[[float], object], retry_s: float) -> None:
-        self._sleep = sleep
-        self.retry_s = retry_s
-
-    def __call__(self, host: str, port: int, transport: str) -> Any:
-        retries = int(self.retry_s / _REFUSED_POLL_S)
-        for retry in range(retries + 1):
-            try:
-                return open_client(host, port, transport, _PEER_TIMEOUT_S)
-            except TTransportException as e:
-                if not isinstance(e.__context__, ConnectionRefusedError):
-                    raise
-                if retry == retries:
-                    raise TTransportException(
-                        e.type, f"{e.message}: refused connections for {self.retry_s:g} s"
-                    ) from None
-            self._sleep(_REFUSED_POLL_S)
-        raise AssertionError("unreachable: the last try returns or raises")
+class _NoAnswer(Exception):
+    """A peer gave no answer (refused, timed out, hung up, not an address): why."""
 
 
 def _ask_peer(
-    peer: str, where: str, transport: str, clock: Callable[[], int], dial: _Dial
-) -> tuple[tuple[int, int], int, Layout | None]:
+    peer: str, transport: str, clock: Callable[[], int]
+) -> tuple[Pair, int, Layout | None]:
     """One connection: the (datacenter, worker) that answers, its clock minus ours,
-    and its layout (None if it has no ``get_layout``)."""
+    and its layout (None if it has no ``get_layout``); ``_NoAnswer`` if it gives none."""
     host, _, port = peer.rpartition(":")
     try:
-        client = dial(host, int(port), transport)
+        client = open_client(host, int(port), transport, _PEER_TIMEOUT_S)
         try:
             peer_worker = client.get_worker_id()
             peer_dc = client.get_datacenter_id()
@@ -208,9 +310,10 @@ def _ask_peer(
                 theirs = None
         finally:
             client.close()
+    except TTransportException as e:
+        cause = e.__context__  # the OSError says why: refused, timed out, no route
+        why = cause.strerror if isinstance(cause, OSError) and cause.strerror else ""
+        raise _NoAnswer(f"{e.message} ({why.lower()})" if why else str(e.message)) from None
     except Exception as e:  # noqa: BLE001 - any failure to get an answer
-        raise StartupRefused(
-            f"{where} is unreachable: {e}; if it is gone for good its node expires with "
-            "its session, or start with --skip-sanity-checks"
-        ) from None
+        raise _NoAnswer(f"{type(e).__name__}: {e}") from None
     return (int(peer_dc), int(peer_worker)), int(peer_time - (before + after) // 2), theirs

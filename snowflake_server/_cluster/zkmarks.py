@@ -27,7 +27,7 @@ from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry, RetryFailedError
 from snowflake_thrift_client import Layout
 
-from .._errors import ConfigurationError, ReservationError, StartupRefused
+from .._errors import ConfigurationError, ReservationError, StartupDeferred, StartupRefused
 from .._ids.clocks import pause
 from .._state.reservation import MarkStore, valid_marks
 from .._state.statefile import layout_to_json, valid_layout_json
@@ -38,6 +38,7 @@ __all__ = [
     "ZkMarkStore",
     "describe_layout",
     "layout_from_json",
+    "mark_layout",
     "restore_marks",
     "session_id",
     "zk_call",
@@ -80,9 +81,10 @@ def describe_layout(layout: Layout) -> str:
 
 def zk_call(client: Any, timeout_s: float, what: str, method: str, *args: Any, **kw: Any) -> Any:
     """``client.<method>_async(...)``, retried through a dropped connection but ended
-    within ``timeout_s`` (``--zk-connect-timeout``): ``StartupRefused`` saying ``what``
-    was being done. A plain kazoo call waits for reconnection and retries with
-    backoff, which stretched a start-up against a vanished ZooKeeper to half a minute.
+    within ``timeout_s`` (``--zk-connect-timeout``): ``StartupDeferred`` (nothing
+    unsafe happened: try again) saying ``what`` was being done. A plain kazoo call
+    waits for reconnection and retries with backoff, which stretched a start-up against
+    a vanished ZooKeeper to half a minute.
     """
     deadline = time.monotonic() + timeout_s
 
@@ -96,17 +98,17 @@ def zk_call(client: Any, timeout_s: float, what: str, method: str, *args: Any, *
     try:
         return retry(attempt)
     except (KazooTimeoutError, RetryFailedError, ConnectionClosedError) as e:
-        raise StartupRefused(
+        raise StartupDeferred(
             f"ZooKeeper did not answer within {timeout_s:g} s (--zk-connect-timeout) while "
             f"{what} ({type(e).__name__}); is it running? start again once it is"
         ) from None
 
 
 def session_id(client: Any, what: str) -> int:
-    """Our session's id; ``StartupRefused`` while kazoo is disconnected (it has none)."""
+    """Our session's id; ``StartupDeferred`` while kazoo is disconnected (it has none)."""
     ids = client.client_id if client is not None else None
     if ids is None:
-        raise StartupRefused(f"the ZooKeeper connection dropped while {what}; start again")
+        raise StartupDeferred(f"the ZooKeeper connection dropped while {what}; start again")
     return int(ids[0])
 
 
@@ -274,6 +276,16 @@ def restore_marks(
         except (BadVersionError, NoNodeError):
             continue
     raise StartupRefused(f"{path} kept changing while its high-water mark was put back")
+
+
+def mark_layout(data: bytes) -> Layout | None:
+    """The layout a mark's record names; None for a record that names none (0.1.0's
+    plain numbers) or is not a mark (its own load refuses it, with the reason)."""
+    try:
+        value = json.loads(data.decode())
+        return layout_from_json(value["layout"]) if isinstance(value, dict) else None
+    except (ValueError, UnicodeDecodeError, KeyError):
+        return None
 
 
 def _encode(marks: tuple[int, ...], clock_sequence: int, layout: dict[str, int]) -> bytes:

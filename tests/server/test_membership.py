@@ -33,12 +33,13 @@ from snowflake_server import (
 )
 from snowflake_server._cluster.membership import Cluster, advertised_address
 from snowflake_server._cluster.zkmarks import ZkMarkStore
-from snowflake_server._errors import ClockBehindMark
+from snowflake_server._errors import ClockBehindMark, StartupDeferred, StartupInterrupted
 from snowflake_server._state.reservation import MarkStore
 from snowflake_server._state.statefile import layout_to_json
 from snowflake_server._state.worker import Worker, WorkerSlot
 from tests.support.endpoints import free_port, unique_scope
 from tests.support.fakes import FakeClock, SecondsClock
+from tests.support.waiting import run_in_thread, wait_until
 from tests.support.zookeeper import ZooKeeper
 
 pytestmark = pytest.mark.zookeeper
@@ -361,7 +362,7 @@ def test_a_held_static_id_is_refused_after_two_retries(
 ) -> None:
     hold(zk, f"{zk_path}/nodes/0/5", "10.0.0.9:7609")
     node = member(worker_id=5)
-    with pytest.raises(StartupRefused) as info:
+    with pytest.raises(StartupDeferred) as info:
         node.join()
     assert str(info.value).startswith(
         f"worker id 5 of datacenter 0 is registered by 10.0.0.9:7609 ({zk_path}/nodes/0/5); "
@@ -377,7 +378,7 @@ def test_a_holder_we_may_not_read_is_named_another_node(
     zk.ensure_path(f"{zk_path}/nodes/0")
     secret = [make_digest_acl("someone", "else", all=True)]
     zk.create(f"{zk_path}/nodes/0/5", b"10.0.0.9:7609", acl=secret, ephemeral=True)
-    with pytest.raises(StartupRefused, match="is registered by another node"):
+    with pytest.raises(StartupDeferred, match="is registered by another node"):
         member(worker_id=5).join()
 
 
@@ -407,7 +408,7 @@ def test_unreachable_zookeeper_is_refused_within_the_connect_timeout(member: Mak
     hosts = f"127.0.0.1:{free_port()}"
     node = member(hosts=hosts, zk_connect_timeout=0.5)
     started = time.monotonic()
-    with pytest.raises(StartupRefused) as info:
+    with pytest.raises(StartupDeferred) as info:
         node.cluster.connect()
     assert time.monotonic() - started < 5
     assert str(info.value).startswith(
@@ -468,7 +469,7 @@ def test_a_lost_session_stops_ids_at_once_and_the_id_is_registered_again(
         node.slot.next_id()
     # ZooKeeper keeps the old session, and our node, until the session times out.
     assert owner(zk, path) == old[0] != session_of(node)
-    with pytest.raises(StartupRefused, match=re.escape(f"registered by {node.address}")):
+    with pytest.raises(StartupDeferred, match=re.escape(f"registered by {node.address}")):
         node.tick()
     assert node.worker_id is None, "the old worker was retired and closed"
     assert node.sleeps == [], "no retries once serving: the next tick tries again"
@@ -557,7 +558,7 @@ def test_a_registration_another_session_took_over_is_left_to_it(
 ) -> None:
     node = lose_registration(member, zk, zk_path, holder="10.0.0.9:7609")
     path = f"{zk_path}/nodes/0/6"
-    with pytest.raises(StartupRefused, match=re.escape("registered by 10.0.0.9:7609")):
+    with pytest.raises(StartupDeferred, match=re.escape("registered by 10.0.0.9:7609")):
         node.tick()
     assert owner(zk, path) == zk.client_id[0], "not ours to delete"
     zk.delete(path)
@@ -681,10 +682,19 @@ def other_layouts_mark(ms: int, epoch_ms: int = 1288834974657 + 1000, **bits: in
     return json.dumps({"mark_ms": ms, "layout": layout}).encode()
 
 
+def record_layout(zk: KazooClient, zk_path: str, **bits: int) -> None:
+    """The cluster's layout recorded (ours, but for ``bits``), as its nodes would have:
+    the marks of another layout below are leftovers the layout znode does not speak for
+    (without it, the layout of the marks would be recorded and ours refused)."""
+    data = json.dumps(layout_to_json(Layout(**bits)), sort_keys=True).encode()
+    zk.create(f"{zk_path}/layout", data, makepath=True)
+
+
 def test_auto_refuses_a_mark_of_other_field_widths_instead_of_skipping_it(
     member: Make, zk: KazooClient, zk_path: str
 ) -> None:
     """Ids of other widths collide with ours of other worker ids: no id is safe."""
+    record_layout(zk, zk_path)
     zk.create(
         f"{zk_path}/marks/0/0", other_layouts_mark(T0, worker_id_bits=4, sequence_bits=13),
         makepath=True,
@@ -727,11 +737,171 @@ def test_a_layout_znode_that_is_not_a_layout_refuses(
         member(worker_id=2).join()
 
 
+def layout_of(zk: KazooClient, zk_path: str) -> Layout:
+    return Layout(**json.loads(zk.get(f"{zk_path}/layout")[0]))
+
+
+def test_a_missing_layout_is_recorded_from_the_marks_not_from_the_newcomer(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    """Issue 22, item 5: with the layout znode deleted, a node of other widths and
+    --skip-sanity-checks recorded its own layout, started and served beside the others."""
+    first = member(worker_id=2).join()
+    zk.delete(f"{zk_path}/layout")
+    second = member(worker_id=1, skip_sanity_checks=True, **OTHER_LAYOUT)
+    with pytest.raises(StartupRefused) as info:
+        second.join()
+    assert str(info.value).startswith(
+        f"Layout insanity: this node would make ids with {NARROW}, but the cluster "
+        f"({zk_path}/layout, recorded from its marks) makes them with {DEFAULT}"
+    )
+    assert layout_of(zk, zk_path) == Layout(), "recorded again: the marks' layout"
+    assert zk.exists(f"{zk_path}/nodes/0/1") is None and not second.slot.serving
+    assert first.slot.serving
+
+
+def test_marks_of_two_layouts_and_no_layout_znode_refuse_naming_them(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    zk.create(f"{zk_path}/marks/0/0", other_layouts_mark(T0, 1288834974657), makepath=True)
+    zk.create(f"{zk_path}/marks/1/3", other_layouts_mark(T0, 1288834974657, worker_id_bits=4),
+              makepath=True)  # fmt: skip
+    zk.create(f"{zk_path}/marks/1/4", str(T0).encode())  # 0.1.0's: no layout, not counted
+    with pytest.raises(StartupRefused) as info:
+        member(worker_id=2).join()
+    assert str(info.value) == (
+        f"the cluster's layout znode {zk_path}/layout is missing and the high-water marks "
+        f"were made under 2 layouts ({DEFAULT}: marks/0/0; epoch 1288834974657 ms, bits "
+        "41/5/4/12 (timestamp/datacenter/worker/sequence): marks/1/3); two layouts in one "
+        f"cluster hand out the same ids: repair it by hand (record the cluster's layout in "
+        f"{zk_path}/layout)"
+    )
+    assert zk.exists(f"{zk_path}/layout") is None
+
+
+def test_a_layout_recorded_by_another_node_meanwhile_counts(
+    member: Make, zk: KazooClient, zk_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two first nodes at once: the one that records its layout second reads the other's."""
+    read_marks = Cluster._marks_layouts
+
+    def others_first(self: Cluster) -> dict[Layout, list[str]]:
+        found = read_marks(self)
+        record_layout(zk, zk_path, **OTHER_LAYOUT)  # the other first node, meanwhile
+        return found
+
+    monkeypatch.setattr(Cluster, "_marks_layouts", others_first)
+    with pytest.raises(StartupRefused, match=f"makes them with {re.escape(NARROW)}"):
+        member(worker_id=2).join()
+
+
+def test_a_running_node_records_a_deleted_layout_again(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
+) -> None:
+    node = member(worker_id=2).join()
+    zk.delete(f"{zk_path}/layout")
+    node.tick()
+    assert layout_of(zk, zk_path) == Layout()
+    log_events.wait_for(f"the cluster's layout znode {zk_path}/layout was gone: recorded it")
+    assert node.slot.serving
+
+
+@pytest.mark.parametrize("written", ["another-layout", "not-a-layout"])
+def test_a_wrong_layout_written_to_the_znode_is_written_back(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents, written: str
+) -> None:
+    """One bad write must not stop the cluster: every mark says the record is wrong."""
+    a, b = member(worker_id=2).join(), member(worker_id=3).join()
+    bad = b"41/5/4/13" if written == "not-a-layout" else json.dumps(
+        layout_to_json(Layout(**OTHER_LAYOUT))).encode()  # fmt: skip
+    zk.set(f"{zk_path}/layout", bad)
+    a.tick()
+    assert layout_of(zk, zk_path) == Layout()
+    shown = "something that is not a layout" if written == "not-a-layout" else NARROW
+    log_events.wait_for(
+        f"the cluster's layout znode {zk_path}/layout said {shown}, but every high-water mark "
+        f"was made with {DEFAULT} (this node's): wrote it back"
+    )
+    b.tick()
+    assert a.slot.serving and b.slot.serving
+
+
+def test_only_a_node_whose_layout_is_not_the_recorded_one_stops_issuing(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
+) -> None:
+    """Two layouts running (the guard had holes): the record decides which one stops."""
+    narrow = member(worker_id=3, **OTHER_LAYOUT).join()  # the first: its layout recorded
+    record = f"{zk_path}/layout"
+    zk.set(record, json.dumps(layout_to_json(Layout())).encode())
+    default = member(worker_id=2).join()  # the layout recorded now: it starts
+    narrow.tick()
+    reason = (
+        f"this node's layout ({NARROW}) is not the cluster's, recorded in {record} "
+        f"({DEFAULT}); two layouts in one cluster hand out the same ids"
+    )
+    assert narrow.slot.unavailable_reason() == f"this node is not handing out ids: {reason}"
+    log_events.wait_for(f"stopped handing out ids: {reason}")
+    with pytest.raises(UnavailableError):
+        narrow.slot.next_id()
+    default.tick()
+    assert default.slot.serving, "the others keep serving"
+    narrow.gate.advance(1)
+    narrow.tick()  # a heartbeat proves the session, but the gate stays closed
+    assert not narrow.slot.serving
+    zk.set(record, json.dumps(layout_to_json(Layout(**OTHER_LAYOUT))).encode())
+    narrow.tick()
+    log_events.wait_for(f"the cluster's layout in {record} is this node's again: serving")
+    narrow.tick()
+    assert narrow.slot.serving
+    default.tick()
+    assert not default.slot.serving
+
+
+def test_a_layout_changed_again_while_being_written_back_is_read_at_the_next_tick(
+    member: Make, zk: KazooClient, zk_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = member(worker_id=2).join()
+    record = f"{zk_path}/layout"
+    zk.set(record, b"garbage")
+    read_marks = Cluster._marks_layouts
+
+    def written_meanwhile(self: Cluster) -> dict[Layout, list[str]]:
+        found = read_marks(self)
+        zk.set(record, b"more garbage")  # another write between our read and our write
+        return found
+
+    monkeypatch.setattr(Cluster, "_marks_layouts", written_meanwhile)
+    node.tick()
+    assert zk.get(record)[0] == b"more garbage", "not overwritten blindly"
+    monkeypatch.undo()
+    node.tick()
+    assert layout_of(zk, zk_path) == Layout()
+
+
+def test_a_deleted_layout_recorded_by_another_node_first_is_left_to_it(
+    member: Make, zk: KazooClient, zk_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = member(worker_id=2).join()
+    record = f"{zk_path}/layout"
+    zk.delete(record)
+    real_create = node.client.create_async
+
+    def created_meanwhile(path: str, *args: Any, **kwargs: Any) -> Any:
+        if path == record:
+            zk.create(record, b"another node's")
+        return real_create(path, *args, **kwargs)
+
+    monkeypatch.setattr(node.client, "create_async", created_meanwhile)
+    node.tick()
+    assert zk.get(record)[0] == b"another node's"
+
+
 def test_a_static_id_whose_mark_has_another_layout_is_refused(
     member: Make, zk: KazooClient, zk_path: str
 ) -> None:
     """Issue 16, item 2: the mark records the layout it was made under."""
     narrow = other_layouts_mark(T0, 1288834974657, worker_id_bits=4, sequence_bits=13)
+    record_layout(zk, zk_path)
     zk.create(f"{zk_path}/marks/0/0", narrow, makepath=True)
     node = member(worker_id=0)
     with pytest.raises(StartupRefused, match="was recorded under another layout") as info:
@@ -743,6 +913,7 @@ def test_a_static_id_whose_mark_has_another_layout_is_refused(
 def test_auto_skips_an_id_whose_mark_has_another_layout(
     member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
 ) -> None:
+    record_layout(zk, zk_path)
     zk.create(f"{zk_path}/marks/0/0", other_layouts_mark(T0), makepath=True)
     node = member(worker_id=-1).join()
     assert node.worker_id == 1 and node.slot.serving
@@ -759,6 +930,7 @@ def test_out_of_worker_ids_is_a_clear_refusal(
     # id 0's mark was made with another layout, and id 1 is held.
     hold(zk, f"{zk_path}/nodes/0/{int(another_layout)}")
     if another_layout:  # another epoch, our widths: an id to skip, not a refusal
+        record_layout(zk, zk_path, worker_id_bits=1, datacenter_id_bits=9)
         mark = other_layouts_mark(T0, worker_id_bits=1, datacenter_id_bits=9)
         zk.create(f"{zk_path}/marks/0/0", mark, makepath=True)
     else:
@@ -796,7 +968,7 @@ def test_a_zookeeper_that_vanishes_during_start_up_is_refused_within_the_connect
     own.stop()
     node.client.states.wait_for(KazooState.SUSPENDED)
     started = time.monotonic()
-    with pytest.raises(StartupRefused) as info:
+    with pytest.raises(StartupDeferred) as info:
         getattr(node.cluster, step)()
     assert time.monotonic() - started < 2.5
     assert str(info.value).startswith(
@@ -818,7 +990,7 @@ def test_a_connection_dropped_while_taking_an_id_is_a_refusal(
     node.cluster.connect()
     # Disconnected between the create that found the node and the look at its owner.
     monkeypatch.setattr(WatchedClient, "client_id", property(lambda self: None))
-    with pytest.raises(StartupRefused, match=r"connection dropped while registering .*nodes/0/5"):
+    with pytest.raises(StartupDeferred, match=r"connection dropped while registering .*nodes/0/5"):
         node.cluster.register()
 
 
@@ -935,7 +1107,7 @@ def test_after_zookeeper_lost_its_data_a_holder_back_first_keeps_its_id_and_mark
     assert decompose(a.slot.next_id()).timestamp_ms >= decompose(last).timestamp_ms
     b = member(hosts=own.hosts, worker_id=0, clock_ms=T0 + 2000, first_start_wait=15.0)
     b.cluster.connect()
-    with pytest.raises(StartupRefused, match="registered by"):
+    with pytest.raises(StartupDeferred, match="registered by"):
         b.cluster.register()
     assert b.sleeps == [1.0, 1.0], "the mark is there: no first-start wait, only retries"
     client = own.client()
@@ -990,7 +1162,7 @@ def test_a_mark_put_back_just_before_the_first_write_refuses_the_start_cleanly(
     monkeypatch.setattr(ZkMarkStore, "load", load_then_holder_comes_back)
     node = member(worker_id=0)
     node.cluster.connect()
-    with pytest.raises(StartupRefused, match="its high-water mark changed while this node took"):
+    with pytest.raises(StartupDeferred, match="its high-water mark changed while this node took"):
         node.cluster.register()
     assert zk.exists(f"{zk_path}/nodes/0/0") is None, "not left registered"
     assert mark(zk, marks) == T0 + 100, "the holder's mark stands"
@@ -1002,16 +1174,79 @@ def test_a_registration_lost_during_the_wait_is_not_served(
     node = member(worker_id=0, first_start_wait=1.0)
     node.cluster.connect()
     node.cluster._sleep = lambda _s: expire(node)
-    with pytest.raises(StartupRefused, match="was lost while waiting for its high-water mark"):
+    with pytest.raises(StartupDeferred, match="was lost while waiting for its high-water mark"):
         node.cluster.register()
 
 
-def test_a_stop_during_the_first_start_wait_ends_it_without_registering(
+# -- a stop while starting (issue 22, item 3) ------------------------------------------
+
+
+def test_an_interrupt_during_the_first_start_wait_writes_no_mark_and_the_next_start_waits_again(
+    member: Make, zk: KazooClient, zk_path: str, tmp_path: Path, log_events: LogEvents
+) -> None:
+    """A mark written during the wait would let the next start skip the very wait that
+    guards a mark ZooKeeper lost. It ended in StartupRefused (exit 3) before."""
+    node = member(worker_id=0, first_start_wait=15.0)
+    node.cluster._sleep = node.cluster._stop.wait  # the default: a stop ends the wait
+    node.cluster.connect()
+    thread, outcome = run_in_thread(node.cluster.register)
+    log_events.wait_for("waiting --first-start-wait 15 s")
+    assert zk.exists(f"{zk_path}/nodes/0/0") is not None, "registered, waiting"
+    started = time.monotonic()
+    node.cluster.interrupt()
+    thread.join(5)
+    assert time.monotonic() - started < 2, "the wait ended at once"
+    (error,) = outcome
+    assert isinstance(error, StartupInterrupted), error
+    assert str(error).startswith("stopping while waiting --first-start-wait for the mark of")
+    node.cluster.close()
+    assert zk.exists(f"{zk_path}/nodes/0/0") is None, "no registration left"
+    assert zk.exists(f"{zk_path}/marks/0/0") is None, "no mark in ZooKeeper"
+    assert not list((tmp_path / "host0").glob("worker-*")), "no mark on disk"
+    again = member(worker_id=0, first_start_wait=15.0, state_dir=str(tmp_path / "host0")).join()
+    assert again.sleeps == [15.0], "waited again"
+    assert again.worker_id == 0 and again.slot.serving
+    assert list((tmp_path / "host0").glob("worker-*")), "its mark on disk, once it reserved"
+
+
+def test_an_interrupt_ends_the_retries_of_a_held_static_id(
     member: Make, zk: KazooClient, zk_path: str
 ) -> None:
-    node = member(worker_id=0, first_start_wait=15.0)
+    hold(zk, f"{zk_path}/nodes/0/5")
+    nodes: list[Member] = []
+    node = member(worker_id=5, on_sleep=lambda _s: nodes[0].cluster.interrupt())
+    nodes.append(node)
     node.cluster.connect()
-    node.cluster._sleep = lambda _s: node.cluster._stop.set()  # a stop meanwhile
-    with pytest.raises(StartupRefused, match="stopping: no registration"):
+    with pytest.raises(StartupInterrupted, match="stopping while retrying the held worker id 5"):
         node.cluster.register()
-    assert zk.exists(f"{zk_path}/nodes/0/0") is None and node.slot.worker is None
+    assert node.sleeps == [1.0], "not one retry more"
+
+
+def test_an_interrupt_ends_the_peer_checks(member: Make, zk: KazooClient, zk_path: str) -> None:
+    hold(zk, f"{zk_path}/nodes/0/9", f"127.0.0.1:{free_port()}")  # registered, silent
+    nodes: list[Member] = []
+    node = member(worker_id=1, on_sleep=lambda _s: nodes[0].cluster.interrupt())
+    nodes.append(node)
+    node.cluster.connect()
+    with pytest.raises(StartupInterrupted, match="stopping while the peer checks waited"):
+        node.cluster.check_peers()
+    assert len(node.sleeps) == 1
+    with pytest.raises(StartupInterrupted, match="stopping while about to register"):
+        node.cluster.register()
+    with pytest.raises(StartupInterrupted, match="stopping while about to ask the registered"):
+        node.cluster.check_peers()
+
+
+def test_an_interrupt_ends_the_wait_for_zookeeper(member: Make) -> None:
+    """kazoo's start(timeout) waited out --zk-connect-timeout whatever happened."""
+    node = member(hosts=f"127.0.0.1:{free_port()}", zk_connect_timeout=60.0)
+    thread, outcome = run_in_thread(node.cluster.connect)
+    wait_until(lambda: node.clients, "a ZooKeeper client")
+    started = time.monotonic()
+    node.cluster.interrupt()
+    thread.join(5)
+    assert time.monotonic() - started < 2
+    (error,) = outcome
+    assert isinstance(error, StartupInterrupted), error
+    assert str(error) == "stopping while connecting to ZooKeeper; not registered"
+    assert node.cluster.client is None and not node.client.connected

@@ -15,11 +15,11 @@ from snowflake_server import (
     Layout,
     Node,
     ServerSettings,
-    StartupRefused,
     decompose,
 )
 from snowflake_server._app.node_id import WorkerIdOrigin
 from snowflake_server._config.settings import FromMachine
+from snowflake_server._errors import StartupDeferred
 from tests.support.endpoints import free_port, unique_scope
 from tests.support.inprocess import InProcessServer
 from tests.support.zookeeper import ZooKeeper
@@ -86,7 +86,7 @@ def test_an_unreachable_zookeeper_is_a_refusal_and_releases_the_port(tmp_path: P
         first_start_wait=0,
         host_lock_scope=unique_scope(),
     )
-    with pytest.raises(StartupRefused, match="cannot reach ZooKeeper"):
+    with pytest.raises(StartupDeferred, match="cannot reach ZooKeeper"):
         Node(settings).start()
     with socket.socket() as again:
         again.bind(("127.0.0.1", settings.port))  # closed on the way out

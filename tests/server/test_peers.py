@@ -17,6 +17,7 @@ from thriftpy2.transport import TFramedTransportFactory
 
 from snowflake_server import ServerSettings, StartupRefused
 from snowflake_server._cluster.peers import check_peers, children, refused_retry_s
+from snowflake_server._errors import StartupDeferred, StartupInterrupted
 from snowflake_server._ids.clocks import wall_clock_ms
 from tests.support.endpoints import free_port
 from tests.support.inprocess import InProcessServer
@@ -59,6 +60,7 @@ class Check(Protocol):
         clock: Callable[[], int] = ...,
         ours: str = ...,
         sleep: Callable[[float], object] = ...,
+        stopped: Callable[[], bool] = ...,
         **overrides: object,
     ) -> None: ...
 
@@ -71,6 +73,7 @@ def check(zookeeper: ZooKeeper, zk: KazooClient, zk_path: str) -> Check:
         clock: Callable[[], int] = wall_clock_ms,
         ours: str = US,
         sleep: Callable[[float], object] = lambda _s: None,
+        stopped: Callable[[], bool] = lambda: False,
         **overrides: object,
     ) -> None:
         settings = ServerSettings(
@@ -79,7 +82,7 @@ def check(zookeeper: ZooKeeper, zk: KazooClient, zk_path: str) -> Check:
             worker_id=6,
             **overrides,  # type: ignore[arg-type]
         )
-        check_peers(zk, settings.cluster, ours, clock, sleep)
+        check_peers(zk, settings.cluster, ours, clock, sleep, stopped)
 
     return run
 
@@ -134,18 +137,107 @@ def test_a_peer_not_what_its_registration_says_is_insanity(
 
 
 @pytest.mark.parametrize("where", ["dead", "malformed"])
-def test_an_unreachable_peer_refuses_start(check: Check, register: Register, where: str) -> None:
+def test_a_peer_silent_past_the_bound_defers_start(
+    check: Check, register: Register, where: str
+) -> None:
+    """Exit 75, not 3: a silent peer passes by itself (it listens, or its registration
+    expires); nothing was registered meanwhile."""
     dead = f"127.0.0.1:{free_port()}" if where == "dead" else "no-port-here"
     register("0/9", dead)
-    with pytest.raises(StartupRefused) as info:
-        check()
+    waits: list[float] = []
+    with pytest.raises(StartupDeferred) as info:
+        check(sleep=waits.append)
     message = str(info.value)
     assert message.startswith(f"peer {dead} (registered as datacenter 0, worker 9) is unreachable")
+    # As long as a node may take to listen after registering (its start-up waits:
+    # in cluster mode the first-start wait is 10 + 10 s, the start-up wait 10 s).
+    assert "it stayed registered and silent for the 35 s the peer checks wait" in message
     assert "--skip-sanity-checks" in message
     if where == "dead":
-        # As long as a node may take to listen after registering (its start-up waits:
-        # in cluster mode the first-start wait is 10 + 10 s, the start-up wait 10 s).
-        assert "refused connections for 35 s" in message
+        assert "(connection refused)" in message
+    # The waits between tries make up the bound, less what the failed tries took.
+    assert 30 < sum(waits) < 35.01
+
+
+def test_the_bound_is_one_for_all_peers(check: Check, register: Register) -> None:
+    """Two silent peers wait side by side: the check ends after one bound, not two."""
+    register("0/8", f"127.0.0.1:{free_port()}")
+    register("0/9", f"127.0.0.1:{free_port()}")
+    waits: list[float] = []
+    with pytest.raises(StartupDeferred, match="worker 8"):
+        check(sleep=waits.append, first_start_wait=0.0, max_startup_wait=1.0)
+    assert 5 < sum(waits) < 6.01, "--first-start-wait 0 + --max-startup-wait 1 + 5 s"
+
+
+@pytest.mark.parametrize("then", ["deleted", "taken-by-another-address"])
+def test_a_silent_peer_whose_registration_goes_is_skipped(
+    check: Check,
+    register: Register,
+    zk: KazooClient,
+    zk_path: str,
+    peer: InProcessServer,
+    caplog: pytest.LogCaptureFixture,
+    then: str,
+) -> None:
+    """Issue 22, item 2: a node killed -9 leaves its registration until its session
+    expires; the check dialled its address for 35 s although it expired after 6 s,
+    then refused to start (exit 3, which systemd does not restart)."""
+    caplog.set_level("INFO")
+    dead = f"127.0.0.1:{free_port()}"
+    register("0/5", address(peer))  # a live peer, still checked
+    register("0/9", dead)
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 3:  # its session expires meanwhile
+            path = f"{zk_path}/nodes/0/9"
+            zk.delete(path)
+            if then == "taken-by-another-address":
+                zk.create(path, b"127.0.0.1:2")  # a node that registered since: not dialled
+
+    check(sleep=sleep)
+    assert (
+        f"peer {dead} (registered as datacenter 0, worker 9) does not answer (Could not "
+        "connect to" in caplog.text
+    )
+    assert "is not registered any more: not a peer (a node gone, its session expired); " in (
+        caplog.text
+    )
+    assert "1 peer(s) sane" in caplog.text
+    # Read again every 10 tries: the first read after the registration went ends the wait.
+    assert len(waits) == 10
+
+
+def test_a_peer_of_several_registrations_is_waited_for_while_one_remains(
+    check: Check, register: Register, zk: KazooClient, zk_path: str
+) -> None:
+    """A node run with --processes registers several ids at one address: the ones
+    gone are dropped from what it must answer as, the rest still count."""
+    dead = f"127.0.0.1:{free_port()}"
+    register("0/8", dead)
+    register("0/9", dead)
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 1:
+            zk.delete(f"{zk_path}/nodes/0/8")
+
+    with pytest.raises(StartupDeferred) as info:
+        check(sleep=sleep, first_start_wait=0.0, max_startup_wait=1.0)
+    assert str(info.value).startswith(
+        f"peer {dead} (registered as datacenter 0, worker 9) is unreachable"
+    )
+
+
+def test_a_stop_ends_the_waits_for_a_silent_peer(check: Check, register: Register) -> None:
+    """Issue 22, item 3: a SIGTERM during the checks waited through every retry."""
+    register("0/9", f"127.0.0.1:{free_port()}")
+    waits: list[float] = []
+    with pytest.raises(StartupInterrupted, match="stopping while the peer checks waited"):
+        check(sleep=waits.append, stopped=lambda: len(waits) >= 2)
+    assert len(waits) == 2, "not one try more after the stop"
 
 
 def test_a_peer_that_registered_but_listens_only_now_is_asked_again(
@@ -187,7 +279,7 @@ def test_a_clock_far_from_the_peers_refuses_start(
     def our_clock() -> int:
         return wall_clock_ms() + offset_ms
 
-    with pytest.raises(StartupRefused) as info:
+    with pytest.raises(StartupDeferred) as info:  # exit 75: passes once the clocks are fixed
         check(clock=our_clock)
     message = str(info.value)
     found = re.match(rf"our clock is (\d+) ms {words} the mean of 1 peers' clocks", message)
@@ -229,7 +321,7 @@ def test_peers_with_skew_within_the_allowance_pass(
     with InProcessServer(ahead, tmp_path, clock=lambda: wall_clock_ms() + 4000) as second:
         register("0/8", address(second))
         check()  # mean offset about 2 s: within 10 s
-        with pytest.raises(StartupRefused, match="ms behind the mean of 2 peers' clocks"):
+        with pytest.raises(StartupDeferred, match="ms behind the mean of 2 peers' clocks"):
             check(max_peer_skew=1.0)
 
 
