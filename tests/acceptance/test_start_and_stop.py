@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from kazoo.client import KazooClient
 
 from tests.support.endpoints import free_port
 from tests.support.processes import child_pids, spawn_server, start_server
 from tests.support.waiting import wait_until
+from tests.support.zookeeper import ZooKeeper
 
 # A stop must end start-up within this (the bound); the long waits below would
 # take 60 s if it did not.
@@ -150,3 +152,61 @@ def test_the_supervisor_exits_as_a_process_that_did_not_start(tmp_path: Path) ->
     # A setting the operator must fix (2), not "starting could repeat ids" (3).
     assert code == 2, f"exit {code}\n{log}"
     assert "did not start (exit code 2)" in log
+
+
+# -- cluster mode: the same, and the registration removed -------------------------------
+
+
+def cluster_flags(zk: ZooKeeper, zk_path: str) -> tuple[str, ...]:
+    return (
+        "--zookeeper", zk.hosts, "--zk-path", zk_path, "--zk-session-timeout", "3",
+        "--zk-connect-timeout", "5", "--advertise-host", "127.0.0.1",
+    )  # fmt: skip
+
+
+@pytest.mark.zookeeper
+def test_a_stop_during_the_cluster_s_first_start_wait_deregisters_and_writes_no_mark(
+    zookeeper: ZooKeeper, zk: KazooClient, zk_path: str, tmp_path: Path
+) -> None:
+    state_dir = tmp_path / "state"
+    for attempt in ("first", "second"):
+        process, stderr, _ = spawn_server(
+            *cluster_flags(zookeeper, zk_path), state_dir=state_dir, first_start_wait=_LONG_WAIT
+        )
+        with stderr:
+            wait_until(
+                lambda log=stderr: "waiting --first-start-wait" in log_of(log),  # type: ignore[misc]
+                f"the {attempt} start waits --first-start-wait",
+            )
+            assert zk.get_children(f"{zk_path}/nodes/0") == ["0"], "registered while waiting"
+            code, took = stopped_within(process, _STOP_WITHIN_S)
+            assert process.stdout is not None
+            process.stdout.close()
+            log = log_of(stderr)
+        assert (code, took < _STOP_WITHIN_S) == (0, True), f"exit {code} after {took:.2f} s\n{log}"
+        assert zk.get_children(f"{zk_path}/nodes/0") == [], "the registration stayed behind"
+        assert zk.exists(f"{zk_path}/marks/0/0") is None, "a mark was written while waiting"
+        assert list(state_dir.glob("worker-*.json")) == []
+
+
+@pytest.mark.zookeeper
+def test_a_stop_during_the_peer_checks_ends_them(
+    zookeeper: ZooKeeper, zk: KazooClient, zk_path: str
+) -> None:
+    # A registered peer that hangs up on every connection: the checks keep asking it.
+    with socket.socket() as peer:
+        peer.bind(("127.0.0.1", 0))
+        peer.listen()
+        peer.settimeout(20)
+        address = f"127.0.0.1:{peer.getsockname()[1]}"
+        zk.create(f"{zk_path}/nodes/0/5", address.encode(), makepath=True)
+        process, stderr, _ = spawn_server(*cluster_flags(zookeeper, zk_path), "--worker-id", "1")
+        with stderr:
+            for _ in range(2):  # asked, and asked again: in the checks
+                peer.accept()[0].close()
+            code, took = stopped_within(process, _STOP_WITHIN_S)
+            assert process.stdout is not None
+            process.stdout.close()
+            log = log_of(stderr)
+    assert (code, took < _STOP_WITHIN_S) == (0, True), f"exit {code} after {took:.2f} s\n{log}"
+    assert zk.get_children(f"{zk_path}/nodes/0") == ["5"], "only the peer's registration"
