@@ -464,7 +464,9 @@ class Cluster(Collector):
             if self._take(f"{self._nodes}/{worker_id}", data):
                 return worker_id
         also = f", {len(skipped)} of them skipped for their marks" if skipped else ""
-        raise StartupRefused(
+        # Not a danger, and it may pass: a crashed node's id is freed when its session
+        # expires (75: try again).
+        raise StartupDeferred(
             f"all {max_id + 1} worker ids of datacenter {self._dc} are leased "
             f"({self._nodes}{also}); widen --worker-id-bits or use another datacenter id"
         )

@@ -393,7 +393,7 @@ def test_out_of_worker_ids_is_a_clear_refusal(
     assert held == [0, 1]
     with pytest.raises(ServerDidNotStart) as info:
         start(*narrow)
-    assert info.value.returncode == 3
+    assert info.value.returncode == 75, "it may pass: a crashed node's id is freed"
     assert "all 2 worker ids of datacenter 0 are leased" in info.value.log
 
 

@@ -935,7 +935,7 @@ def test_out_of_worker_ids_is_a_clear_refusal(
         zk.create(f"{zk_path}/marks/0/0", mark, makepath=True)
     else:
         member(**narrow).join()
-    with pytest.raises(StartupRefused) as info:
+    with pytest.raises(StartupDeferred) as info:
         member(**narrow).join()
     skipped = ", 1 of them skipped for their marks" if another_layout else ""
     assert str(info.value) == (
