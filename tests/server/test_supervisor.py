@@ -219,7 +219,7 @@ class NewConnections:
     def __init__(self, server: ServerProcess) -> None:
         self._server = server
         self._stop = threading.Event()
-        self.answered: list[tuple[float, int]] = []  # (when, worker)
+        self.answered: list[tuple[float, int]] = []  # (when the call began, worker)
         self.hung: list[float] = []  # when each timed-out attempt began
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -236,7 +236,7 @@ class NewConnections:
             except Exception:  # noqa: BLE001 - a timeout on the stopped child's socket
                 self.hung.append(began)
                 continue
-            self.answered.append((time.monotonic(), worker))
+            self.answered.append((began, worker))
 
     def stop(self) -> None:
         self._stop.set()
