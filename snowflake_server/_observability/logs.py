@@ -129,10 +129,14 @@ class LogFile(logging.StreamHandler[TextIO]):
         super().close()
 
 
-class _Cause:
-    __slots__ = ("since", "stamp", "suppressed", "tokens")
+_TEMPLATE_CHARS = 200
 
-    def __init__(self, tokens: float, now: float) -> None:
+
+class _Cause:
+    __slots__ = ("since", "stamp", "suppressed", "template", "tokens")
+
+    def __init__(self, tokens: float, now: float, template: str) -> None:
+        self.template = template  # the first line's, for the summary
         self.tokens = tokens
         self.stamp = now  # when the tokens were counted
         self.suppressed = 0  # since the last summary
@@ -140,7 +144,7 @@ class _Cause:
 
 
 class LogLimit(logging.Filter, Collector):
-    """A handler filter: per cause (logger name and message template) of the limited
+    """A handler filter: per cause (the logging call: logger, file and line) of the limited
     loggers, ``burst`` lines at once, then ``per_s`` a second; the rest are dropped,
     counted by logger, and summarised in a WARNING at most every ``summary_every_s``
     (written before the next line of that cause that gets through). ``clock`` is
@@ -163,7 +167,7 @@ class LogLimit(logging.Filter, Collector):
         self._loggers = tuple(loggers)
         self._clock = clock
         self._lock = threading.Lock()
-        self._causes: dict[tuple[str, str], _Cause] = {}
+        self._causes: dict[tuple[str, str, int], _Cause] = {}
         self.suppressed = dict.fromkeys(self._loggers, 0)  # by limited logger, since the start
 
     def _limited(self, name: str) -> str | None:
@@ -176,12 +180,16 @@ class LogLimit(logging.Filter, Collector):
         limited = self._limited(record.name)
         if limited is None:
             return True
-        key = (record.name, str(record.msg))
+        # The call site, not the message: a message formatted before logging (asyncio's
+        # handler puts object ids and addresses in it) would make every line a new cause,
+        # never limited, and the table would grow with every client.
+        key = (record.name, record.pathname, record.lineno)
         now = self._clock()
         with self._lock:
             cause = self._causes.get(key)
             if cause is None:
-                cause = self._causes[key] = _Cause(self._burst, now)
+                template = str(record.msg)[:_TEMPLATE_CHARS]
+                cause = self._causes[key] = _Cause(self._burst, now, template)
             cause.tokens = min(self._burst, cause.tokens + (now - cause.stamp) * self._per_s)
             cause.stamp = now
             if cause.tokens < 1:
@@ -191,13 +199,13 @@ class LogLimit(logging.Filter, Collector):
             cause.tokens -= 1
             summary = None
             if cause.suppressed and now - cause.since >= self._summary_every_s:
-                summary = (cause.suppressed, now - cause.since)
+                summary = (cause.suppressed, now - cause.since, cause.template)
                 cause.suppressed, cause.since = 0, now
         if summary is not None:
             # Through the same handlers: this module's logger is not limited.
             logging.getLogger(__name__).warning(
                 "suppressed %d lines like %r from %s in the last %.0f s",
-                summary[0], key[1], key[0], summary[1],
+                summary[0], summary[2], key[0], summary[1],
             )  # fmt: skip
         return True
 

@@ -146,3 +146,25 @@ def test_limited_lines_pass_in_a_burst_then_one_a_second_per_cause_with_a_summar
     assert limit.suppressed["snowflake_server._thrift"] == 2
     samples = {s.labels["logger"]: s.value for f in limit.collect() for s in f.samples}
     assert samples["snowflake_server._thrift"] == 2 and samples["asyncio"] == 0
+
+
+def test_a_cause_is_its_logging_call_not_its_text() -> None:
+    # asyncio's exception handler formats its message first (object ids, addresses):
+    # every line's text differs, yet one call site is one cause, and the table stays small.
+    limit = LogLimit(burst=2, per_s=1.0, clock=lambda: 0.0)
+    loop_log = logging.getLogger("asyncio")
+
+    def passed(text: str, line: int) -> bool:
+        return limit.filter(
+            loop_log.makeRecord("asyncio", logging.ERROR, "f", line, text, (), None)
+        )
+
+    assert [passed(f"Exception in callback <Handle at 0x{i:x}>", 1) for i in range(5)] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+    assert passed("another call site", 2), "another logging call is another cause"
+    assert limit.suppressed["asyncio"] == 3
