@@ -460,13 +460,19 @@ def serve(
         node.drain()
 
     def reload() -> None:
+        if not serving.is_set():
+            # systemd takes READY=1 after a reload for "started": not before we serve.
+            if log_file is not None:
+                log_file.reopen()
+            node.reload()
+            return
         notifier.reloading()
         try:
             if log_file is not None:
                 log_file.reopen()
             node.reload()
         finally:
-            notifier.reloaded("serving" if serving.is_set() else "starting")
+            notifier.reloaded("serving")
 
     # From the first line: a SIGTERM during a start-up wait stops cleanly (exit 0, the
     # registration removed), never by the default action that leaves it behind.

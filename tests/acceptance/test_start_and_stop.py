@@ -210,3 +210,30 @@ def test_a_stop_during_the_peer_checks_ends_them(
             log = log_of(stderr)
     assert (code, took < _STOP_WITHIN_S) == (0, True), f"exit {code} after {took:.2f} s\n{log}"
     assert zk.get_children(f"{zk_path}/nodes/0") == ["5"], "only the peer's registration"
+
+
+def test_a_sighup_while_starting_tells_systemd_nothing(
+    notify_socket: tuple[socket.socket, str], tmp_path: Path
+) -> None:
+    sock, path = notify_socket
+    log_file = tmp_path / "server.log"
+    process, stderr, _ = spawn_server(
+        "--log-file", str(log_file), env={"NOTIFY_SOCKET": path}, first_start_wait=_LONG_WAIT
+    )
+    with stderr:
+        wait_until(
+            lambda: log_file.exists() and "waiting --first-start-wait" in log_file.read_text(),
+            "the start waits --first-start-wait",
+        )
+        log_file.rename(tmp_path / "rotated.log")
+        process.send_signal(signal.SIGHUP)
+        # The log file is reopened (a rotation while starting), and that is all.
+        wait_until(log_file.exists, "the log file reopened")
+        code, _ = stopped_within(process, _STOP_WITHIN_S)
+        assert process.stdout is not None
+        process.stdout.close()
+    assert code == 0
+    sock.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        # READY=1 (after RELOADING=1) would tell systemd the unit had started.
+        sock.recv(4096)
