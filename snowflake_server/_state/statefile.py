@@ -302,6 +302,13 @@ class StateFile(MarkStore):
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise self._linked() from None
+            if e.errno in (errno.EACCES, errno.EPERM):
+                # A permission is a setting to fix, never a reason to discard the mark.
+                raise ConfigurationError(
+                    f"state file {self.path}: {e.strerror}: this server's user "
+                    f"({_whoami()}) may not read it; give it the file (chown "
+                    f"{os.geteuid()}:{os.getegid()} {self.path})"
+                ) from None
             return self._corrupt(f"cannot read it: {e.strerror}", discard_corrupt)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory, a FIFO

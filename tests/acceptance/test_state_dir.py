@@ -307,3 +307,28 @@ def test_worker_id_auto_does_not_skip_past_an_unsafe_state_dir(
         server.stop()
         pytest.fail(f"it started:\n{server.log()}")
     assert not zk.get_children(f"{zk_path}/nodes/0"), "the leased id is given back"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: to run the server as another user")
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux setpriv")
+def test_a_state_file_the_server_may_not_read_is_a_setting_not_a_corrupt_file(
+    fs_group_volume: Path,
+) -> None:
+    # Left by a start as root: the mark is good, only its owner is wrong. "Unusable,
+    # start with --discard-corrupt-state" would throw the mark away.
+    state = fs_group_volume / "worker-0-0.json"
+    state.write_text("{}\n")
+    state.chmod(0o600)
+    pod = _pod_security()
+    try:
+        server = start_server(state_dir=fs_group_volume,
+                              wrapper=as_user(pod["runAsUser"], pod["runAsGroup"]),
+                              env=NO_COVERAGE)  # fmt: skip
+    except ServerDidNotStart as refused:
+        assert refused.returncode == 2, refused.log
+        assert f"state file {state}: Permission denied" in refused.log, refused.log
+        assert f"chown {pod['runAsUser']}:{pod['runAsGroup']} {state}" in refused.log
+        assert "--discard-corrupt-state" not in refused.log
+    else:
+        server.stop()
+        pytest.fail(f"it started:\n{server.log()}")
