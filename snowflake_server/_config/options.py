@@ -56,7 +56,7 @@ def _worker_id(text: str) -> int | FromMachine:
         pass
     if not _INTEGER.fullmatch(text.strip()):
         raise ValueError("must be a number, auto, ordinal, ip or mac")
-    return int(text)
+    return _integer(text)
 
 
 def worker_id_text(value: int | FromMachine) -> str:
@@ -67,6 +67,7 @@ def worker_id_text(value: int | FromMachine) -> str:
 
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
+_MAX_DIGITS = 19  # every setting fits a signed 64-bit integer
 _NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?inf")
 # What Kubernetes injects for a Service named after a setting (SNOWFLAKE_PORT for a
 # Service "snowflake", SNOWFLAKE_METRICS_PORT for "snowflake-metrics"): a service link.
@@ -78,6 +79,8 @@ def _integer(text: str) -> int:
     stripped = text.strip()
     if not _INTEGER.fullmatch(stripped):
         raise ValueError(f"must be a whole number in decimal digits{_link_hint(stripped)}")
+    if len(stripped.lstrip("+-")) > _MAX_DIGITS:
+        raise ValueError(f"must be a whole number of at most {_MAX_DIGITS} digits")
     return int(stripped)
 
 

@@ -324,10 +324,11 @@ class Reservation(Collector):
             try:
                 stored = store.advance(now_ms + ahead_ms, value, switching=switching)
             except Exception as e:  # noqa: BLE001 - OSError, ZooKeeper errors: all mean "not stored"
-                # Some errors have no text (a ZooKeeper timeout): their type says it.
+                # Some errors have no text (a ZooKeeper timeout): their type says it. An
+                # OSError's words, not Python's "[Errno 27] ...", reach /readyz and the log.
+                said = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
                 message = (
-                    f"cannot write the high-water mark to {store.where}: "
-                    f"{str(e) or type(e).__name__}"
+                    f"cannot write the high-water mark to {store.where}: {said or type(e).__name__}"
                 )
                 with self._changed:
                     self._last_error = message  # the calls fail: /readyz says why

@@ -201,7 +201,6 @@ class ThriftServer:
                 )
             http.setblocking(False)
             self._http_listener = http
-        check_open_files(settings.max_connections)
         host, port = listener.getsockname()[:2]
         return host, port
 
@@ -229,7 +228,9 @@ class ThriftServer:
             except OSError as e:
                 # Another socket bound the port while neither listened (SO_REUSEADDR
                 # allows that) and listened first: a port in use, found only now.
-                raise ConfigurationError(f"cannot listen on {host}:{port}: {e}") from None
+                raise ConfigurationError(
+                    f"cannot listen on {host}:{port}: {e.strerror or e}"
+                ) from None
         if self._waits is None:
             self._waits = started_threads(_WAIT_THREADS, "snowflake-wait")
         self._listening = True

@@ -78,6 +78,7 @@ def test_bad_values_name_their_source(
         (["--idle-timeout", "x"], {}, "--idle-timeout: invalid value 'x': must be a number"),
         (["--idle-timeout", "nan"], {}, "must be a number like 2 or 0.5"),
         (["--drain-seconds", "1_0"], {}, "must be a number like 2 or 0.5"),
+        (["--epoch", "9" * 5000], {}, "must be a whole number of at most 19 digits"),
     ],
 )
 def test_a_bad_number_is_said_in_words_not_in_python(

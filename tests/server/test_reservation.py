@@ -292,8 +292,7 @@ def test_failing_says_why_while_the_marks_are_not_kept_ahead() -> None:
         store.go_on.set()  # the hung write ends, failing
         wait_until(lambda: "cannot write" in str(reservation.failing), "the write's end")
         assert reservation.failing == (
-            "cannot write the high-water mark to slow:/marks/0/0: [Errno 28] No space left "
-            "on device"
+            "cannot write the high-water mark to slow:/marks/0/0: No space left on device"
         )
         store.fail = None
         clock.now += 1
