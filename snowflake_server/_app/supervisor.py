@@ -11,18 +11,24 @@ children on the one metrics port (each sample labelled ``process``), answers
 ``/readyz`` for all of them (ready when every child is), and passes SIGTERM,
 SIGINT and SIGHUP on (each child drains, or reloads, on its own).
 
-It supervises: every half second it asks every serving child's ``/livez`` at
-once, each answer due within a second. A child that exits, or whose ``/livez``
-fails (no answer: stopped, or its admin thread stuck; 503: its serving loop has
-not turned for 30 s) for ``UNRESPONSIVE_POLLS`` polls in a row spanning at least
-``UNRESPONSIVE_S``, is killed with SIGKILL (a stopped process cannot act on SIGTERM)
-and started again, after a delay that doubles from 0.5 s up to 30 s and starts
-over once a child has served for a minute. SIGKILL skips the final marks, which is
-safe: the mark on disk is always ahead of every id issued (see
-``_state.reservation``), and the next start waits for the clock to pass it. The
-supervisor's own ``/livez`` fails once no supervision round has completed for
-``LIVE_BOUND_S``; its ``/readyz`` answers within about a second, whatever the
-children do.
+It supervises: every half second it asks every serving child's ``/livez``, ``/readyz``
+and ``/metrics`` at once, each answer due within a second; the supervisor's own
+``/readyz`` and ``/metrics`` answer from the latest round (its admin endpoint has one
+thread: asking the children there would make its ``/livez`` wait behind them). A child
+that exits is started again. A child whose ``/livez`` fails is killed with SIGKILL (a
+stopped process cannot act on SIGTERM) and started again: after ``UNRESPONSIVE_POLLS``
+failures in a row spanning ``UNRESPONSIVE_S`` if it certainly does not work (its
+process is stopped or traced, or it answers 503: its serving loop has not turned for
+30 s), or spanning ``UNANSWERED_S`` if it only does not answer while its process runs
+(starved of CPU under overload, or its admin port flooded: capacity is needed most
+then). Restarts wait a delay that doubles from 0.5 s up to 30 s and starts over once a
+child has served for a minute. SIGKILL skips the final marks, which is safe: the mark
+on disk is always ahead of every id issued (see ``_state.reservation``), and the next
+start waits for the clock to pass it. A child that does not start within
+:func:`start_limit_s` (its own start-up waits, and a margin) gets SIGTERM (it stops
+within about 2 s from any wait, deregistered), then SIGKILL after ``_TERM_GRACE_S``.
+The supervisor's own ``/livez`` fails once no supervision round has completed for
+``LIVE_BOUND_S``.
 """
 
 from __future__ import annotations
@@ -30,10 +36,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import http.client
 import json
 import logging
+import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -43,11 +52,13 @@ import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from .._cluster.peers import refused_retry_s
 from .._config.options import OPTIONS, worker_id_text
 from .._config.settings import ServerSettings
 from .._errors import ConfigurationError, StartupDeferred, StartupInterrupted, StartupRefused
@@ -56,14 +67,17 @@ from .._observability.logs import LogFile
 from .._observability.metrics import counter_by
 from .._observability.probes import Readiness
 from .._thrift.server import check_open_files, listen_socket, started_threads
+from .exits import ExitCode
 from .node import on_signal
 from .node_id import WorkerIdOrigin, configured_origin
 from .notify import NOTIFY_SOCKET_ENV, Notifier
 from .ready import parse_ready_line, ready_line
 
 __all__ = [
+    "ANSWER_BOUND_S",
     "LIVE_BOUND_S",
     "SUPERVISOR_PID_ENV",
+    "UNANSWERED_S",
     "UNRESPONSIVE_POLLS",
     "UNRESPONSIVE_S",
     "WORKER_ID_ORIGIN_ENV",
@@ -71,32 +85,56 @@ __all__ = [
     "child_argv",
     "die_with_supervisor",
     "origin_from_supervisor",
+    "start_failure",
+    "start_limit_s",
 ]
 
 log = logging.getLogger(__name__)
-_START_TIMEOUT_S = 60.0  # a child may wait for its clock (--max-startup-wait) and ZooKeeper
-# A process that did not start, by its exit code: what the supervisor raises (and so
-# how it exits). Anything else (a crash, a refusal) is a refusal.
-_EXITED_AS: dict[int | None, type[Exception]] = {
-    0: StartupInterrupted,
-    2: ConfigurationError,
-    75: StartupDeferred,
-}
+_START_MARGIN_S = 30.0
+"""Beyond a child's own start-up waits: starting Python, ZooKeeper calls (each bounded
+by the child), a held worker id's retries."""
+_TERM_GRACE_S = 10.0
+"""A child that did not start in time has this long to stop on SIGTERM (it ends any
+start-up wait within about 2 s, then deregisters) before SIGKILL."""
 _STOP_TIMEOUT_S = 10.0
 _POLL_EVERY_S = 0.5  # a supervision round
-_POLL_TIMEOUT_S = (
-    1.0  # a child's /livez, /readyz or /metrics answers within this, or counts as down
-)
+_POLL_TIMEOUT_S = 1.0  # a child's answer is due within this, or counts as none
+_PATHS = ("/livez", "/readyz", "/metrics")  # asked of every serving child each round
+NO_ANSWER = 0
+"""The status of a request a child did not answer in HTTP (a timeout, a refused or
+closed connection, a garbage answer)."""
 UNRESPONSIVE_POLLS = 3
-"""Failed ``/livez`` polls in a row (spanning ``UNRESPONSIVE_S``) after which a child is
-killed and replaced."""
+"""Failed ``/livez`` polls in a row after which a child is killed and replaced, if they
+span ``UNRESPONSIVE_S`` (it certainly does not work) or ``UNANSWERED_S`` (it does not
+answer)."""
 UNRESPONSIVE_S = 3.0
+UNANSWERED_S = 15.0
+"""A child whose process runs but does not answer its ``/livez`` in time is killed only
+after this. Its admin thread answers unless the process is starved of CPU (overload: a
+kill would cut capacity when it is needed most), its admin port is flooded, or it holds
+the GIL in a stuck call; the child's own liveness tolerates a 30 s stall of its serving
+loop, and half that replaces a process stuck for good well before a pod's liveness
+probe (3 failures 10 s apart by default) would restart the whole pod."""
+ANSWER_BOUND_S = 5.0
+"""The supervisor's ``/readyz`` and ``/metrics`` use a child's answers from the latest
+round no older than this (a round takes at most ~2 s: 0.5 s, then answers due within
+1.25 s); older ones count as no answer."""
 LIVE_BOUND_S = 10.0
 """The supervisor's ``/livez`` fails when no supervision round completed for this long."""
 _BACKOFF_FIRST_S = 0.5
 _BACKOFF_MAX_S = 30.0
 _BACKOFF_RESET_S = 60.0  # a child that served this long restarts after the first delay again
-RESTART_REASONS = ("exited", "unresponsive")
+RESTART_REASONS = ("exited", "unresponsive", "failed")
+_STOPPED_STATES = frozenset("Tt")  # /proc/<pid>/stat: stopped by a signal, or by a tracer
+# A child that did not start, by its exit code: what the supervisor raises (and so how
+# it exits). Anything else (1: a bug; killed by a signal) is "try again", not "starting
+# could repeat ids": nothing says it could.
+_EXITED_AS: dict[int, type[Exception]] = {
+    ExitCode.STOPPED: StartupInterrupted,
+    ExitCode.CONFIGURATION: ConfigurationError,
+    ExitCode.UNSAFE: StartupRefused,
+    ExitCode.TRY_AGAIN: StartupDeferred,
+}
 
 
 SUPERVISOR_PID_ENV = "SNOWFLAKE_SUPERVISOR_PID"
@@ -105,6 +143,39 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 WORKER_ID_ORIGIN_ENV = "SNOWFLAKE_SUPERVISOR_WORKER_ID_ORIGIN"
 """Set by the supervisor for its children: where their worker ids came from, as JSON
 (their flags carry only the ids)."""
+
+
+def start_limit_s(settings: ServerSettings) -> float | None:
+    """How long a process with ``settings`` may take to start before the supervisor
+    stops it: the longest its own start-up waits add up to (the first-start wait, the
+    clock wait, and in cluster mode ZooKeeper's connect timeout and the peers' check
+    bound), and a margin. None (no limit) with an unbounded ``--max-startup-wait``: the
+    operator asked it to wait for its clock as long as that takes."""
+    if not math.isfinite(settings.max_startup_wait):
+        return None
+    limit = settings.first_start_window + settings.max_startup_wait + _START_MARGIN_S
+    if settings.zookeeper:
+        limit += settings.zk_connect_timeout + refused_retry_s(settings.cluster)
+    return limit
+
+
+def start_failure(code: int | None, *, timed_out: bool = False) -> type[Exception]:
+    """What the supervisor raises (so how it exits) for a process that did not start:
+    as the process exited if that was a considered answer (0 stopped, 2 configuration,
+    3 unsafe, 75 try again); "try again" for a bug, a kill, or no start in time."""
+    if timed_out or code is None:
+        return StartupDeferred
+    return _EXITED_AS.get(code, StartupDeferred)
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc (R, S, D, T, t, Z...), or "" if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    # The name in parentheses may hold spaces and parentheses: the state follows the last.
+    return stat.rsplit(")", 1)[1].split()[0]
 
 
 def die_with_supervisor(environ: Mapping[str, str]) -> None:
@@ -152,6 +223,11 @@ def child_argv(settings: ServerSettings) -> list[str]:
     return argv
 
 
+Answer = tuple[int, str, float]
+"""A child's answer to a request: status (``NO_ANSWER``: none), body, and the
+supervisor's clock when it was had."""
+
+
 class _Child:
     """One child process, as the supervision loop sees it: starting (no admin address
     yet), serving, or down and due to start again at ``restart_at``."""
@@ -160,21 +236,27 @@ class _Child:
         self.index = index
         self.settings = settings
         self.origin = origin
+        self.start_limit = start_limit_s(settings)
         self.process: subprocess.Popen[str] | None = None
         self.metrics = ""  # host:port of its admin endpoint, once it printed its ready line
+        # Its answers of the latest round, by path; replaced whole (read on another thread).
+        self.answers: dict[str, Answer] = {}
         self.restarts = 0
         self.started_at = 0.0  # the supervisor's clock
+        self.terminated_at: float | None = None  # SIGTERM sent: it did not start in time
         self.serving_since: float | None = None
         self.failed_polls = 0
         self.failing_since: float | None = None
         self.restart_at: float | None = None
         self.delay_s = _BACKOFF_FIRST_S
         self.why_down = ""
+        self._spawned = 0.0  # time.monotonic(): the start limit of the first start
         self._reader: threading.Thread | None = None
 
     def spawn(self, now: float = 0.0) -> None:
         """Start the process; its ready line is read by a thread of its own (so that the
-        supervision of the others goes on meanwhile)."""
+        supervision of the others goes on meanwhile). Raises ``OSError`` if it cannot
+        be started (out of memory or processes)."""
         command = [sys.executable, "-m", "snowflake_server", *child_argv(self.settings)]
         # The child asks the kernel to end it with us (see die_with_supervisor); only
         # the supervisor talks to systemd.
@@ -184,9 +266,12 @@ class _Child:
             {"source": self.origin.source, "detail": self.origin.detail}
         )
         self.metrics = ""
+        self.answers = {}
         self.serving_since = None
+        self.terminated_at = None
         self.failed_polls, self.failing_since = 0, None
         self.started_at = now
+        self._spawned = time.monotonic()
         # A group of its own: a terminal's Ctrl-C reaches the supervisor only, which
         # passes it on (so a drain is the supervisor's decision, as with SIGTERM).
         process = subprocess.Popen(
@@ -207,28 +292,44 @@ class _Child:
                     self.metrics = "{}:{}".format(*ready.metrics)
                 return
 
-    def start(self) -> None:
-        """Spawn it and wait for its ready line; ``StartupRefused`` if it exits first
-        or does not get there within the start time limit (it is killed then)."""
-        self.spawn()
-        self.wait_ready()
-
-    def wait_ready(self) -> None:
+    def wait_ready(self, limit: float | None = None) -> None:
+        """Wait for the ready line of the process just spawned, at most ``limit``
+        seconds from its spawn (None: ``start_limit``). If it exits first, raise as
+        :func:`start_failure` says; if it is not ready in time, stop it (SIGTERM, then
+        SIGKILL after a grace) and raise ``StartupDeferred``."""
         assert self.process is not None and self._reader is not None
-        self._reader.join(_START_TIMEOUT_S)
+        limit = self.start_limit if limit is None else limit
+        left = None if limit is None else max(0.0, self._spawned + limit - time.monotonic())
+        self._reader.join(left)
         if self.metrics:
             return
+        timed_out = self._reader.is_alive()
+        if timed_out:
+            self.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(_TERM_GRACE_S)
         code = self.reap()
         # The supervisor exits as its child did: a bad setting is not a danger, a
         # stop is not a failure (see ExitCode).
-        error = _EXITED_AS.get(code, StartupRefused)
+        error = start_failure(code, timed_out=timed_out)
+        why = f"not ready within {limit:g} s: stopped" if timed_out else "did not start"
         raise error(
-            f"process {self.index} (worker {self.settings.worker_id}) did not start "
+            f"process {self.index} (worker {self.settings.worker_id}) {why} "
             f"(exit code {code}); its error is above"
         )
 
+    def terminate(self, now: float = 0.0) -> None:
+        """Ask the process to stop (SIGTERM): it ends its start-up waits and
+        deregisters."""
+        process = self.process
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+        self.terminated_at = now
+
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        process = self.process
+        return process is not None and process.poll() is None
 
     def reap(self) -> int | None:
         """Kill what is left of the process (its whole group: it may have threads, and
@@ -246,64 +347,91 @@ class _Child:
         if process.stdout is not None:
             process.stdout.close()
         self.metrics = ""
+        self.answers = {}
+        self.terminated_at = None
         self.process = None
         return code
 
     def get(self, path: str, timeout: float = _POLL_TIMEOUT_S) -> tuple[int, str]:
+        """``path`` of its admin endpoint: the status and body, or ``NO_ANSWER`` and
+        why. Never raises for what the child (or its death) may cause."""
         url = f"http://{self.metrics}{path}"
         try:
-            with urllib.request.urlopen(url, timeout=timeout) as response:
-                return response.status, response.read().decode()
-        except urllib.error.HTTPError as e:
-            with e:
-                return e.code, e.read().decode()
+            return _fetch(url, timeout)
         except urllib.error.URLError as e:  # what a connect's failure is wrapped in
-            return 503, _NO_ANSWER if isinstance(e.reason, TimeoutError) else str(e.reason)
+            return NO_ANSWER, _NO_ANSWER if isinstance(e.reason, TimeoutError) else str(e.reason)
         except TimeoutError:
-            return 503, _NO_ANSWER
-        except OSError as e:
-            return 503, str(e)
+            return NO_ANSWER, _NO_ANSWER
+        except (OSError, http.client.HTTPException) as e:
+            # A garbage status line (BadStatusLine), a body cut short (IncompleteRead:
+            # the child died mid-answer), a connection closed unanswered.
+            return NO_ANSWER, f"no answer ({type(e).__name__}: {e})"
+
+
+def _fetch(url: str, timeout: float) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read().decode(errors="replace")
 
 
 _NO_ANSWER = f"did not answer within {_POLL_TIMEOUT_S:g} s"
 
 
 def poll_children(
-    children: Sequence[_Child], path: str, pool: ThreadPoolExecutor | None = None
-) -> dict[int, tuple[int, str]]:
-    """Ask each child with an admin address for ``path``, all at once; each answer by
-    child index, a child that did not answer within the deadline as
-    ``(503, "did not answer ...")``. Returns within about ``_POLL_TIMEOUT_S``."""
+    children: Sequence[_Child], paths: Sequence[str], pool: ThreadPoolExecutor | None = None
+) -> dict[int, dict[str, tuple[int, str]]]:
+    """Ask each child with an admin address for each of ``paths``, all at once; the
+    answers by child index and path, one not had within the deadline as
+    ``(NO_ANSWER, "did not answer ...")``. Returns within about ``_POLL_TIMEOUT_S``."""
     asking = [child for child in children if child.metrics]
     if not asking:
         return {}
     own = pool is None
-    executor = pool or ThreadPoolExecutor(len(asking), thread_name_prefix="poll")
+    executor = pool or ThreadPoolExecutor(len(asking) * len(paths), thread_name_prefix="poll")
     try:
-        futures = {executor.submit(child.get, path): child.index for child in asking}
-        done, _ = concurrent.futures.wait(futures, timeout=_POLL_TIMEOUT_S + 0.25)
-        return {
-            index: future.result() if future in done else (503, _NO_ANSWER)
-            for future, index in futures.items()
+        futures = {
+            executor.submit(child.get, path): (child.index, path)
+            for child in asking
+            for path in paths
         }
+        done, _ = concurrent.futures.wait(futures, timeout=_POLL_TIMEOUT_S + 0.25)
+        answers: dict[int, dict[str, tuple[int, str]]] = {}
+        for future, (index, path) in futures.items():
+            answer = (NO_ANSWER, _NO_ANSWER)
+            if future in done:
+                error = future.exception()
+                answer = future.result() if error is None else (NO_ANSWER, repr(error))
+            answers.setdefault(index, {})[path] = answer
+        return answers
     finally:
         if own:
             executor.shutdown(wait=False, cancel_futures=True)
 
 
-class _ChildrenMetrics(Collector):
-    """Every child's metrics, each sample labelled with its process index."""
+def _fresh(answer: Answer | None, now: float) -> Answer | None:
+    """``answer`` if it is no older than ``ANSWER_BOUND_S``."""
+    if answer is None or now - answer[2] > ANSWER_BOUND_S:
+        return None
+    return answer
 
-    def __init__(self, children: list[_Child], pool: ThreadPoolExecutor | None = None) -> None:
+
+class _ChildrenMetrics(Collector):
+    """Every child's metrics, each sample labelled with its process index: from the
+    latest supervision round (never asked here, on the admin endpoint's one thread)."""
+
+    def __init__(self, children: list[_Child], clock: Callable[[], float]) -> None:
         self._children = children
-        self._pool = pool
+        self._clock = clock
 
     def collect(self) -> Iterable[Metric]:
         merged: dict[str, Metric] = {}
-        answers = poll_children(self._children, "/metrics", self._pool)
-        for child in self._children:
-            status, text = answers.get(child.index, (503, "down"))
-            if status != 200:
+        now = self._clock()
+        for child in list(self._children):
+            answer = _fresh(child.answers.get("/metrics"), now)
+            if answer is None or answer[0] != 200:
                 # A child that cannot be scraped (dead, restarting) cannot serve either:
                 # say so, rather than let its series vanish.
                 ready = merged.setdefault(
@@ -312,7 +440,12 @@ class _ChildrenMetrics(Collector):
                 )
                 ready.add_sample("snowflake_ready", {"process": str(child.index)}, 0)
                 continue
-            for family in text_string_to_metric_families(text):
+            try:
+                families = list(text_string_to_metric_families(answer[1]))
+            except ValueError as e:  # not the exposition format: not this child's
+                log.warning("process %d: unreadable metrics: %s", child.index, e)
+                families = []
+            for family in families:
                 into = merged.setdefault(
                     family.name, Metric(family.name, family.documentation, family.type)
                 )
@@ -325,9 +458,9 @@ class _ChildrenMetrics(Collector):
 class Supervisor(Collector):
     """Runs ``settings.processes`` children; see the module docstring. ``origin`` says
     where the first worker id came from (see ``resolve_worker_id``). ``clock`` is
-    monotonic seconds (the supervision loop's timing: restarts, bounds).
+    monotonic seconds (the supervision loop's timing: restarts, bounds, answers' age).
 
-    As a collector it reports the restarts, by reason (exited, unresponsive).
+    As a collector it reports the restarts, by reason (exited, unresponsive, failed).
     """
 
     def __init__(
@@ -350,7 +483,6 @@ class Supervisor(Collector):
         self.restarts = dict.fromkeys(RESTART_REASONS, 0)
         self._last_round: float | None = None  # the clock when a round last completed
         self._watch_pool: ThreadPoolExecutor | None = None
-        self._probe_pool: ThreadPoolExecutor | None = None
 
     def _child_settings(self, index: int, port: int, http_port: int) -> ServerSettings:
         settings = self._settings
@@ -374,53 +506,61 @@ class Supervisor(Collector):
         # before anything starts.
         check_open_files(settings.thrift.max_connections)
         # Threads started now, not when a poll needs one (a host out of threads must not
-        # read as children not answering). Two per child: a stuck poll may still hold one.
-        count = 2 * settings.processes
-        self._watch_pool = started_threads(count, "supervise")
-        self._probe_pool = started_threads(count, "probe")
+        # read as children not answering). Two per request of a round: a stuck one may
+        # still hold one.
+        self._watch_pool = started_threads(2 * len(_PATHS) * settings.processes, "supervise")
         try:
             return self._run()
         finally:
             self._watch_pool.shutdown(wait=False, cancel_futures=True)
-            self._probe_pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> int:
         settings = self._settings
-        # Hold the port (SO_REUSEPORT, not listening) so that port 0 means one port for all.
-        holders = [listen_socket(settings.host, settings.port, reuse_port=True)]
-        if settings.thrift.http:
-            holders.append(listen_socket(settings.http_host, settings.http_port, reuse_port=True))
-        port = holders[0].getsockname()[1]
-        http_port = holders[1].getsockname()[1] if len(holders) > 1 else settings.http_port
-        # From the start: a SIGTERM while the processes start stops them cleanly.
-        on_signal(signal.SIGTERM, self._on_stop)
-        on_signal(signal.SIGINT, self._on_stop)
-        on_signal(signal.SIGHUP, lambda _name: self._reload())
+        # Every port bound before any child starts (and waits): a port in use fails at
+        # once. The Thrift ports are held (SO_REUSEPORT, not listening) so that port 0
+        # means one port for all.
+        admin_sock = listen_socket(settings.admin.host, settings.admin.port, reuse_port=False)
+        holders: list[socket.socket] = []
         try:
+            holders.append(listen_socket(settings.host, settings.port, reuse_port=True))
+            if settings.thrift.http:
+                holders.append(
+                    listen_socket(settings.http_host, settings.http_port, reuse_port=True)
+                )
+            port = holders[0].getsockname()[1]
+            http_port = holders[1].getsockname()[1] if len(holders) > 1 else settings.http_port
+            # From the start: a SIGTERM while the processes start stops them cleanly.
+            on_signal(signal.SIGTERM, self._on_stop)
+            on_signal(signal.SIGINT, self._on_stop)
+            on_signal(signal.SIGHUP, lambda _name: self._reload())
             for index in range(settings.processes):
                 if self._stop.is_set():
                     break
                 child = _Child(index, self._child_settings(index, port, http_port), self._origin)
                 self._children.append(child)
-                child.spawn(self._clock())
+                try:
+                    child.spawn(self._clock())
+                except OSError as e:  # out of memory or processes: nothing is unsafe
+                    raise StartupDeferred(f"cannot start process {index}: {e}") from None
             for child in self._children:
                 child.wait_ready()
             if self._stop.is_set():
                 raise StartupInterrupted("asked to stop while the processes were starting")
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(_ChildrenMetrics(self._children, self._clock))
+            registry.register(self)
+            admin = AdminServer(
+                registry, settings.admin, ready=self._ready, live=self.live, bound=admin_sock
+            )
         except BaseException:
+            admin_sock.close()
             self._stop_children()
             raise
         finally:
             for holder in holders:
                 holder.close()
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_ChildrenMetrics(self._children, self._probe_pool))
-        registry.register(self)
-        try:
-            admin = AdminServer(registry, settings.admin, ready=self._ready, live=self.live)
-        except ConfigurationError:
-            self._stop_children()
-            raise
+        # Answers before the first /readyz: "ready" is said once the children are asked.
+        self._poll(self._clock())
         admin.start()
         self._readiness.serving()
         self._serving.set()
@@ -440,8 +580,10 @@ class Supervisor(Collector):
         yield counter_by(
             "snowflake_supervisor_restarts",
             "With --processes: processes restarted by the supervisor, by reason: exited "
-            "(it died, or never got to serve), or unresponsive (its /livez failed "
-            f"{UNRESPONSIVE_POLLS} times in a row over {UNRESPONSIVE_S:g} s: killed).",
+            "(it died, or did not start in time), unresponsive (its /livez failed "
+            f"{UNRESPONSIVE_POLLS} times in a row over {UNRESPONSIVE_S:g} s while stopped "
+            f"or answering 503, or went unanswered for {UNANSWERED_S:g} s: killed), or "
+            "failed (it could not be started or supervised: out of memory or processes).",
             "reason",
             self.restarts,
         )
@@ -480,27 +622,60 @@ class Supervisor(Collector):
         self._signal_children(signal.SIGHUP)
 
     def _signal_children(self, signum: signal.Signals) -> None:
+        # On the signal thread, while the main thread may reap a child (and clear its
+        # process): one look at each.
         for child in self._children:
-            if child.alive():
-                assert child.process is not None
-                child.process.send_signal(signum)
+            process = child.process
+            if process is not None and process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signum)
 
     def _watch(self) -> None:
         self._last_round = self._clock()
         while not self._stop.wait(_POLL_EVERY_S):
             self.supervise_once()
 
+    def _poll(self, now: float) -> dict[int, dict[str, tuple[int, str]]]:
+        """This round's answers of every serving child, each kept with it (for the
+        supervisor's /readyz and /metrics)."""
+        answers = poll_children(self._children, _PATHS, self._watch_pool)
+        for child in self._children:
+            if child.index in answers:
+                child.answers = {
+                    path: (status, body, now)
+                    for path, (status, body) in answers[child.index].items()
+                }
+        return answers
+
     def supervise_once(self) -> None:
-        """One round: every serving child's ``/livez`` asked at once; a child that
-        exited, did not start in time, or failed its polls too long is put down and
-        its restart scheduled; a child whose delay is over is started again."""
-        answers = poll_children(self._children, "/livez", self._watch_pool)
+        """One round: every serving child asked at once; a child that exited, did not
+        start in time, or failed its polls too long is put down and its restart
+        scheduled; a child whose delay is over is started again. One child's trouble
+        (a failed fork, a bug) puts that child down, never the round."""
+        answers = self._poll(self._clock())
         now = self._clock()
         for child in self._children:
             if self._stop.is_set():
                 return
-            self._supervise(child, answers.get(child.index), now)
+            livez = answers.get(child.index, {}).get("/livez")
+            try:
+                self._supervise(child, livez, now)
+            except Exception as e:  # noqa: BLE001 - whatever it is, the others go on
+                self._failed(child, e, now)
         self._last_round = self._clock()
+
+    def _failed(self, child: _Child, error: Exception, now: float) -> None:
+        """``child``'s step raised: put it down and retry after its delay (which limits
+        these lines, as it does restarts)."""
+        why = f"could not be supervised ({type(error).__name__}: {error})"
+        if not isinstance(error, OSError):  # a fork's failure needs no traceback; a bug does
+            log.error("process %d: supervising it failed", child.index, exc_info=error)
+        try:
+            self._down(child, "failed", why, now)
+        except Exception:  # reaping failed too: retry after the delay all the same
+            log.exception("process %d: putting it down failed", child.index)
+            child.restart_at = now + child.delay_s
+            child.delay_s = min(2 * child.delay_s, _BACKOFF_MAX_S)
 
     def _supervise(self, child: _Child, answer: tuple[int, str] | None, now: float) -> None:
         if child.restart_at is not None:
@@ -514,12 +689,24 @@ class Supervisor(Collector):
         if process is None:
             return
         code = process.poll()
+        limit = child.start_limit
+        if child.terminated_at is not None:
+            if code is not None:
+                why = f"did not start within {limit:g} s: stopped (code {code})"
+                self._down(child, "exited", why, now)
+            elif now - child.terminated_at >= _TERM_GRACE_S:
+                why = f"did not start within {limit:g} s, nor stop within {_TERM_GRACE_S:g} s"
+                self._down(child, "exited", why + ": killed", now)
+            return
         if code is not None:
             self._down(child, "exited", f"exited (code {code})", now)
             return
         if not child.metrics:
-            if now - child.started_at > _START_TIMEOUT_S:
-                self._down(child, "exited", f"did not start within {_START_TIMEOUT_S:g} s", now)
+            if limit is not None and now - child.started_at > limit:
+                log.error("process %d (worker %s, pid %d) did not start within %g s: "
+                          "stopping it", child.index, child.settings.worker_id,
+                          process.pid, limit)  # fmt: skip
+                child.terminate(now)
             return
         if child.serving_since is None:
             child.serving_since = now
@@ -533,15 +720,22 @@ class Supervisor(Collector):
         if child.failing_since is None:
             child.failing_since = now
         failing = now - child.failing_since
-        if child.failed_polls >= UNRESPONSIVE_POLLS and failing >= UNRESPONSIVE_S:
-            why = _reason(body)
+        state = _process_state(process.pid)
+        if state in _STOPPED_STATES:
+            why, bound = f"{_reason(body)}; its process is stopped (state {state})", UNRESPONSIVE_S
+        elif status != NO_ANSWER:
+            why, bound = _reason(body), UNRESPONSIVE_S  # it answered: it does not work
+        else:
+            why, bound = f"{_reason(body)}; its process runs", UNANSWERED_S
+        if child.failed_polls >= UNRESPONSIVE_POLLS and failing >= bound:
             self._down(
                 child, "unresponsive", f"failed /livez {child.failed_polls} times in "
                 f"{failing:.1f} s ({why}): killed", now,
             )  # fmt: skip
 
     def _down(self, child: _Child, reason: str, why: str, now: float) -> None:
-        pid = child.process.pid if child.process is not None else None
+        process = child.process
+        pid = process.pid if process is not None else None
         child.reap()
         self.restarts[reason] += 1
         child.restarts += 1
@@ -560,10 +754,11 @@ class Supervisor(Collector):
         self._signal_children(signal.SIGTERM)
         deadline = time.monotonic() + self._settings.drain_seconds + _STOP_TIMEOUT_S
         for child in self._children:
-            if child.process is None:
+            process = child.process
+            if process is None:
                 continue
             try:
-                if child.process.wait(max(0.1, deadline - time.monotonic())) != 0:
+                if process.wait(max(0.1, deadline - time.monotonic())) != 0:
                     code = 1
             except subprocess.TimeoutExpired:
                 code = 1
@@ -571,14 +766,25 @@ class Supervisor(Collector):
         return code
 
     def _ready(self) -> tuple[str | None, dict[str, object]]:
-        """Ready when every child is (and we are not stopping): all are asked at once,
-        and one that does not answer within the deadline is not ready."""
-        answers = poll_children(self._children, "/readyz", self._probe_pool)
+        """Ready when every child is (and we are not stopping), by each child's answer
+        of the latest supervision round (never asked here: this runs on the admin
+        endpoint's one thread, which answers ``/livez`` too); an answer older than
+        ``ANSWER_BOUND_S`` is none."""
+        now = self._clock()
         unready: dict[str, str] = {}
-        for child in self._children:
-            status, body = answers.get(child.index, (503, child.why_down or "starting"))
-            if status != 200:
-                unready[str(child.index)] = _reason(body)
+        ages: dict[str, float | None] = {}
+        for child in list(self._children):
+            key = str(child.index)
+            had = child.answers.get("/readyz")
+            answer = _fresh(had, now)
+            ages[key] = None if had is None else round(now - had[2], 1)
+            if answer is None:
+                if had is not None:
+                    unready[key] = f"no answer for {now - had[2]:.1f} s"
+                else:
+                    unready[key] = child.why_down or "starting"
+            elif answer[0] != 200:
+                unready[key] = _reason(answer[1])
         why = self._readiness.reason() or "; ".join(
             f"process {index}: {reason}" for index, reason in unready.items()
         )
@@ -590,6 +796,8 @@ class Supervisor(Collector):
                 str(child.index): "unavailable" if str(child.index) in unready else "ok"
                 for child in self._children
             },
+            # How old each process's answer is (s): they come from the supervision rounds.
+            "checked_s_ago": ages,
         }
 
 

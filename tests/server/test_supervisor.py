@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,8 +25,12 @@ from snowflake_thrift_client._transports import open_client
 from snowflake_server import decompose, load_settings
 from snowflake_server._app.node_id import WorkerIdOrigin, configured_origin
 from snowflake_server._app.supervisor import (
+    _TERM_GRACE_S,
+    ANSWER_BOUND_S,
     LIVE_BOUND_S,
+    NO_ANSWER,
     SUPERVISOR_PID_ENV,
+    UNANSWERED_S,
     UNRESPONSIVE_S,
     WORKER_ID_ORIGIN_ENV,
     Supervisor,
@@ -30,6 +38,15 @@ from snowflake_server._app.supervisor import (
     _ChildrenMetrics,
     child_argv,
     origin_from_supervisor,
+    start_failure,
+    start_limit_s,
+)
+from snowflake_server._config.settings import ServerSettings
+from snowflake_server._errors import (
+    ConfigurationError,
+    StartupDeferred,
+    StartupInterrupted,
+    StartupRefused,
 )
 from tests.support.endpoints import free_port, unique_scope
 from tests.support.processes import (
@@ -38,6 +55,7 @@ from tests.support.processes import (
     ServerProcess,
     child_pids,
     parse_metrics,
+    spawn_server,
     start_server,
 )
 from tests.support.waiting import wait_until
@@ -64,8 +82,13 @@ def test_one_metrics_port_for_all_processes(pair: ServerProcess) -> None:
     counts = parse_metrics(pair.metrics())
     assert counts['snowflake_worker_id{process="0"}'] == 3
     assert counts['snowflake_worker_id{process="1"}'] == 4
-    total = sum(v for k, v in counts.items() if k.startswith("snowflake_ids_generated_total"))
-    assert total == 50
+
+    def generated() -> float:
+        counts = parse_metrics(pair.metrics())
+        return sum(v for k, v in counts.items() if k.startswith("snowflake_ids_generated_total"))
+
+    # The children's metrics as of the latest supervision round (every 0.5 s).
+    wait_until(lambda: generated() == 50, "the 50 ids counted")
     status, body = pair.http_get("/health")
     assert status == 200 and json.loads(body)["processes"] == {"0": "ok", "1": "ok"}
 
@@ -95,16 +118,25 @@ def test_a_dead_process_is_restarted(pair: ServerProcess) -> None:
 def test_a_child_that_cannot_be_scraped_reads_as_not_ready() -> None:
     settings = load_settings(["--worker-id", "3"], {})
     origin = configured_origin(settings)
+    now = [100.0]
+    supervisor = Supervisor(settings, clock=lambda: now[0])
     alive, dead = _Child(0, settings, origin), _Child(1, settings, origin)
+    supervisor._children[:] = [alive, dead]
     dead.metrics = f"127.0.0.1:{free_port()}"  # nothing answers there
     child = start_server("--worker-id", "3")
     try:
         alive.metrics = f"127.0.0.1:{child.metrics_port}"
-        families = {f.name: f for f in _ChildrenMetrics([alive, dead]).collect()}
+        supervisor._poll(now[0])  # a round's answers
     finally:
         child.stop()
+    collector = _ChildrenMetrics([alive, dead], lambda: now[0])
+    families = {f.name: f for f in collector.collect()}
     ready = {s.labels["process"]: s.value for s in families["snowflake_ready"].samples}
     assert ready == {"0": 1, "1": 0}
+    now[0] += ANSWER_BOUND_S + 0.1  # no round since: its answers are too old to tell
+    families = {f.name: f for f in collector.collect()}
+    ready = {s.labels["process"]: s.value for s in families["snowflake_ready"].samples}
+    assert ready == {"0": 0, "1": 0}
 
 
 def test_worker_ids_must_fit_for_every_process() -> None:
@@ -252,8 +284,10 @@ def test_a_stopped_process_is_killed_and_replaced_while_the_other_serves(
         wait_until(lambda: len(load.answered) >= 20, "ids before the wedge")
         os.kill(wedged, signal.SIGSTOP)
         stopped_at = time.monotonic()
+        # From the next round on (its answers are due within 1.25 s).
+        wait_until(lambda: timed_readyz(pair)[1] == 503, "not ready", 5)
         took, status, body = timed_readyz(pair)
-        assert took < 2.5, f"/readyz took {took:.2f} s during the wedge"
+        assert took < 0.5, f"/readyz took {took:.2f} s during the wedge"
         assert status == 503 and '"1": "ok"' in body and "process 0: did not answer" in body
         wait_until(lambda: wedged not in child_pids(pair.process.pid), "the wedged child killed")
         killed_after = time.monotonic() - stopped_at
@@ -314,3 +348,370 @@ def test_the_supervisors_livez_fails_when_its_loop_stalls() -> None:
     assert supervisor.live() == "the supervision loop has not completed a round for 10.5 s"
     supervisor.supervise_once()
     assert supervisor.live() is None
+
+
+# -- review: start limits, broken answers, races, probes that never block, kill bounds --
+
+
+def test_the_start_limit_covers_every_start_up_wait() -> None:
+    """A child is given as long as its own waits may take, and a margin (a fixed 60 s
+    was less than a cluster child's ~75 s with the defaults)."""
+    cluster = load_settings(["--zookeeper", "zk:2181", "--worker-id", "auto"], {})
+    # --zk-connect-timeout, the peer-check bound (first-start wait + min(max wait, 60) +
+    # 5), the first-start wait (session timeout + skew) and the clock wait.
+    waits = 10 + (20 + 10 + 5) + 20 + 10
+    limit = start_limit_s(cluster)
+    assert limit is not None and limit > waits
+    longer = load_settings(["--zookeeper", "zk:2181", "--first-start-wait", "60"], {})
+    assert start_limit_s(longer) == limit + 2 * (60 - 20), "counted in both waits"
+    standalone = start_limit_s(load_settings(["--max-startup-wait", "100"], {}))
+    assert standalone is not None and standalone > 5 + 100
+    assert start_limit_s(load_settings(["--max-startup-wait", "inf"], {})) is None
+
+
+@pytest.mark.parametrize(
+    ("code", "timed_out", "raised"),
+    [
+        (0, False, StartupInterrupted),  # stopped while starting
+        (2, False, ConfigurationError),
+        (3, False, StartupRefused),  # the only "starting could repeat ids"
+        (75, False, StartupDeferred),
+        (1, False, StartupDeferred),  # a bug: try again, not "an operator must act"
+        (-9, False, StartupDeferred),  # killed (the OOM killer)
+        (None, False, StartupDeferred),
+        (0, True, StartupDeferred),  # stopped by us: it did not start in time
+    ],
+)
+def test_a_process_that_did_not_start_ends_the_supervisor_as_it_said(
+    code: int | None, timed_out: bool, raised: type[Exception]
+) -> None:
+    assert start_failure(code, timed_out=timed_out) is raised
+
+
+def slow_starter(tmp_path: Path) -> ServerSettings:
+    """A process that waits 60 s (its first-start wait) before it is ready."""
+    return load_settings(
+        ["--worker-id", "3", "--port", "0", "--metrics-port", "0", "--first-start-wait",
+         "60", "--state-dir", str(tmp_path / "state"), "--host-lock-scope", unique_scope()],
+        {},
+    )  # fmt: skip
+
+
+class Stderr:
+    """What the children (who inherit our stderr) wrote so far."""
+
+    def __init__(self, capfd: pytest.CaptureFixture[str]) -> None:
+        self._capfd = capfd
+        self._text = ""
+
+    def count(self, what: str) -> int:
+        self._text += self._capfd.readouterr().err
+        return self._text.count(what)
+
+
+def test_a_process_not_ready_in_time_is_stopped_with_sigterm(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Not SIGKILL (which leaves a cluster registration until its session expires),
+    and "try again" (75), not "starting could repeat ids" (3)."""
+    settings = slow_starter(tmp_path)
+    child = _Child(0, settings, configured_origin(settings))
+    err = Stderr(capfd)
+    child.spawn()
+    try:
+        wait_until(lambda: err.count("waiting --first-start-wait") == 1, "its first-start wait")
+        started = time.monotonic()
+        with pytest.raises(StartupDeferred, match=r"not ready within 0 s: stopped \(exit code 0\)"):
+            child.wait_ready(0.0)  # its limit is over
+        took = time.monotonic() - started
+    finally:
+        child.reap()
+    assert took < 2.5, f"stopped {took:.2f} s after its limit"
+
+
+def test_a_restarted_process_not_ready_in_time_gets_sigterm_then_sigkill(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "snowflake_server._app.supervisor")
+    settings = slow_starter(tmp_path)
+    now = [100.0]
+    supervisor = Supervisor(settings, clock=lambda: now[0])
+    supervisor._readiness.serving()
+    child = _Child(0, settings, configured_origin(settings))
+    supervisor._children.append(child)
+    limit = child.start_limit
+    assert limit is not None
+    err = Stderr(capfd)
+    try:
+        child.restart_at = now[0]
+        supervisor.supervise_once()  # started again
+        wait_until(lambda: err.count("waiting --first-start-wait") == 1, "its first-start wait")
+        now[0] += limit + 0.1
+        supervisor.supervise_once()  # SIGTERM: it ends its wait and exits 0
+        first = child.process
+        assert first is not None
+        first.wait(5)
+        supervisor.supervise_once()
+        assert f"did not start within {limit:g} s: stopped (code 0)" in caplog.text
+        assert supervisor.restarts["exited"] == 1
+        # One that cannot act on SIGTERM (stopped) is killed after the grace.
+        assert child.restart_at is not None
+        now[0] = child.restart_at
+        supervisor.supervise_once()
+        wait_until(lambda: err.count("waiting --first-start-wait") == 1, "its second start")
+        second = child.process
+        assert second is not None and second is not first
+        os.kill(second.pid, signal.SIGSTOP)
+        now[0] += limit + 0.1
+        supervisor.supervise_once()
+        now[0] += _TERM_GRACE_S - 0.2
+        supervisor.supervise_once()
+        assert second.poll() is None, "killed before its grace"
+        now[0] += 0.2
+        supervisor.supervise_once()
+        assert second.returncode == -signal.SIGKILL
+        assert f"nor stop within {_TERM_GRACE_S:g} s: killed" in caplog.text
+        assert supervisor.restarts["exited"] == 2
+    finally:
+        child.reap()
+
+
+class BrokenAdmin:
+    """An admin port that answers every request with ``answer`` and closes."""
+
+    def __init__(self, answer: bytes) -> None:
+        self._answer = answer
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self._sock.accept()
+            except OSError:
+                return
+            with connection:
+                connection.recv(4096)
+                connection.sendall(self._answer)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def sleeper() -> subprocess.Popen[str]:
+    """A running process to stand for a child's (its state is what the checks read), in
+    a process group of its own as a child is (the supervisor kills the group)."""
+    return subprocess.Popen(["sleep", "60"], stdout=subprocess.PIPE, text=True, process_group=0)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"garbage\r\n\r\n",  # BadStatusLine
+        b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\n{}",  # IncompleteRead: died mid-body
+        b"HTTP/1.0 503 No\r\nContent-Length: 100\r\n\r\n{}",  # the same, in an error
+        b"",  # closed unanswered
+    ],
+)
+def test_a_broken_answer_is_no_answer_not_the_end_of_supervision(answer: bytes) -> None:
+    settings = load_settings(["--worker-id", "3"], {})
+    now = [100.0]
+    supervisor = Supervisor(settings, clock=lambda: now[0])
+    supervisor._readiness.serving()
+    child = _Child(0, settings, configured_origin(settings))
+    supervisor._children.append(child)
+    admin = BrokenAdmin(answer)
+    child.process, child.metrics = sleeper(), admin.address
+    try:
+        status, why = child.get("/livez")
+        assert status == NO_ANSWER and why
+        supervisor.supervise_once()  # a round, not an exception
+        assert child.failed_polls == 1 and child.alive()
+        assert supervisor._ready()[0] == f"process 0: {child.answers['/readyz'][1]}"
+    finally:
+        admin.close()
+        child.reap()
+
+
+def test_a_process_that_cannot_be_forked_is_down_and_retried_while_the_others_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = load_settings(["--worker-id", "3"], {})
+    origin = configured_origin(settings)
+    now = [100.0]
+    supervisor = Supervisor(settings, clock=lambda: now[0])
+    failing, running = _Child(0, settings, origin), _Child(1, settings, origin)
+    supervisor._children[:] = [failing, running]
+    running.process, running.started_at = sleeper(), now[0]
+    failing.restart_at = now[0]
+    # exec fails as a fork would (ENOMEM, EAGAIN): Popen raises OSError.
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    try:
+        supervisor.supervise_once()
+        assert supervisor.restarts["failed"] == 1
+        assert failing.restart_at == now[0] + 0.5, "down, retried after its delay"
+        now[0] += 0.5
+        supervisor.supervise_once()
+        assert supervisor.restarts["failed"] == 2 and failing.restart_at == now[0] + 1
+        assert running.alive(), "the other process is left alone"
+        assert supervisor.live() is None, "the rounds go on"
+    finally:
+        running.reap()
+
+
+def test_signalling_the_processes_while_one_is_reaped() -> None:
+    """SIGHUP or SIGTERM (on the signal thread) while the main thread reaps a process."""
+    settings = load_settings(["--worker-id", "3"], {})
+    supervisor = Supervisor(settings)
+    child = _Child(0, settings, configured_origin(settings))
+    supervisor._children.append(child)
+
+    class ReapedMeanwhile(subprocess.Popen[str]):
+        def poll(self) -> int | None:
+            code = super().poll()
+            child.process = None  # reap() on the main thread, between a look and a use
+            return code
+
+    process = ReapedMeanwhile(["sleep", "60"], text=True)
+    child.process = process
+    try:
+        supervisor._signal_children(signal.SIGTERM)
+        assert process.wait(5) == -signal.SIGTERM
+    finally:
+        process.kill()
+        process.wait()
+
+
+def timed_get(server: ServerProcess, path: str) -> tuple[float, int]:
+    started = time.monotonic()
+    url = f"http://{server.host}:{server.metrics_port}{path}"
+    try:
+        with urllib.request.urlopen(url, timeout=20) as response:
+            status = response.status
+    except urllib.error.HTTPError as e:
+        with e:
+            status = e.code
+    return time.monotonic() - started, status
+
+
+def test_the_supervisors_livez_answers_at_once_while_probes_ask_during_a_wedge(
+    pair: ServerProcess,
+) -> None:
+    """Its admin endpoint has one thread: probes and scrapes that waited there on a
+    wedged process made its own /livez wait (a pod's liveness probe then fails)."""
+    wedged = worker_pid(pair.process.pid, 3)
+    stop = threading.Event()
+    probes: list[tuple[float, int]] = []
+
+    def probe(path: str) -> None:
+        while not stop.is_set():
+            probes.append(timed_get(pair, path))
+
+    threads = [
+        threading.Thread(target=probe, args=(path,), daemon=True)
+        for path in ("/readyz", "/readyz", "/health", "/metrics")
+    ]
+    os.kill(wedged, signal.SIGSTOP)
+    try:
+        for thread in threads:
+            thread.start()
+        # Until the probes see the wedge (a round's answers are due within 1.25 s).
+        livez: list[tuple[float, int]] = []
+        deadline = time.monotonic() + 10
+        while len(livez) < 5 or not any(status == 503 for _, status in probes):
+            assert time.monotonic() < deadline, "the probes never saw the wedge"
+            livez.append(timed_get(pair, "/livez"))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(wedged, signal.SIGCONT)
+    slowest = max(took for took, _ in livez)
+    print(f"/livez during a wedge: slowest {slowest:.3f} s; {len(probes)} probes meanwhile")
+    assert all(status == 200 for _, status in livez)
+    assert slowest < 0.5, f"/livez took {slowest:.2f} s while probes asked"
+    assert max(took for took, _ in probes) < 0.5, "the probes answer at once too"
+
+
+def test_the_readiness_said_is_the_latest_rounds_and_a_stale_one_is_no_answer() -> None:
+    settings = load_settings(["--worker-id", "3"], {})
+    now = [100.0]
+    supervisor = Supervisor(settings, clock=lambda: now[0])
+    supervisor._readiness.serving()
+    child = _Child(0, settings, configured_origin(settings))
+    supervisor._children.append(child)
+    child.answers = {"/readyz": (200, "{}", now[0])}
+    now[0] += 1.0
+    why, details = supervisor._ready()
+    assert why is None and details["checked_s_ago"] == {"0": 1.0}
+    now[0] += ANSWER_BOUND_S
+    why, details = supervisor._ready()
+    assert why == f"process 0: no answer for {ANSWER_BOUND_S + 1:.1f} s"
+    assert details["processes"] == {"0": "unavailable"}
+
+
+@pytest.mark.parametrize(
+    ("stopped", "status", "bound"),
+    [
+        (False, NO_ANSWER, UNANSWERED_S),  # running, answering slowly: starved, flooded
+        (True, NO_ANSWER, UNRESPONSIVE_S),  # stopped: it cannot answer
+        (False, 503, UNRESPONSIVE_S),  # it says its serving loop is stuck
+    ],
+)
+def test_a_process_is_killed_fast_only_when_it_certainly_does_not_work(
+    stopped: bool, status: int, bound: float
+) -> None:
+    settings = load_settings(["--worker-id", "3"], {})
+    now = [100.0]
+    supervisor = Supervisor(settings, clock=lambda: now[0])
+    child = _Child(0, settings, configured_origin(settings))
+    child.process, child.metrics = sleeper(), "127.0.0.1:1"
+    process = child.process
+    if stopped:
+        os.kill(process.pid, signal.SIGSTOP)
+        wait_until(lambda: alive_state(process.pid) == "T", "the process stopped")
+    answer = (status, '{"reason": "did not answer within 1 s"}')
+    try:
+        while now[0] - 100.0 < bound - 0.5:
+            supervisor._supervise(child, answer, now[0])
+            assert child.process is process, f"killed after {now[0] - 100.0:.1f} s"
+            now[0] += 0.5
+        now[0] = 100.0 + bound
+        supervisor._supervise(child, answer, now[0])
+        assert child.process is None and process.returncode == -signal.SIGKILL
+        assert supervisor.restarts["unresponsive"] == 1
+    finally:
+        child.reap()
+        process.kill()
+        process.wait()
+
+
+def alive_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_supervisors_metrics_port_in_use_fails_before_its_processes_start() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen()
+        number = str(taken.getsockname()[1])
+        process, stderr, _ = spawn_server(
+            "--processes", "2", "--metrics-port", number, first_start_wait="60"
+        )
+        with stderr:
+            try:
+                code = process.wait(15)
+            finally:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            assert process.stdout is not None
+            process.stdout.close()
+            stderr.seek(0)
+            log = stderr.read()
+    assert code == 2, f"exit {code}\n{log}"
+    assert f"cannot listen on 127.0.0.1:{number}" in log
+    assert "waiting --first-start-wait" not in log, "its processes started first"
