@@ -1014,6 +1014,20 @@ def test_a_wide_layout_scan_over_a_slow_network_does_not_hold_up_the_heartbeats(
         assert not node.slot.serving
 
 
+def test_a_layout_znode_the_node_may_not_read_is_not_decided_on(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
+) -> None:
+    node = member(worker_id=2).join()
+    zk.set_acls(f"{zk_path}/layout", [make_digest_acl("someone", "else", all=True)])
+    node.gate.advance(1)
+    node.tick()
+    log_events.wait_for(
+        "the cluster's layout was not checked within 1 s (a quarter of the session timeout, "
+        "so that heartbeats are not late): ZooKeeper denied access"
+    )
+    assert node.slot.serving, "the heartbeat went on"
+
+
 def test_an_unfinished_scan_of_the_marks_goes_on_where_it_stopped(
     member: Make,
     zookeeper: ZooKeeper,
