@@ -29,12 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import KazooException
+from kazoo.exceptions import AuthFailedError, KazooException, NoAuthError
 from kazoo.handlers.threading import KazooTimeoutError
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from .._cluster.membership import Cluster, advertised_address
+from .._cluster.zkmarks import describe_zk_error
 from .._config.settings import ServerSettings
 from .._errors import ConfigurationError, StartupDeferred, StartupInterrupted
 from .._ids.clocks import wall_clock_ms
@@ -154,9 +155,15 @@ def clustered(
             cluster.connect()
             cluster.check_peers()
             cluster.register()
+        except (NoAuthError, AuthFailedError) as e:
+            # Never passes by itself: not "try again" (75).
+            raise ConfigurationError(
+                f"ZooKeeper refused this node during start-up: {describe_zk_error(e)}; give "
+                f"the znodes under --zk-path {settings.cluster.zk_path} an ACL that lets it in"
+            ) from None
         except (KazooException, KazooTimeoutError) as e:
             raise StartupDeferred(
-                f"ZooKeeper failed during start-up: {type(e).__name__}: {e}"
+                f"ZooKeeper failed during start-up: {describe_zk_error(e)}; start again"
             ) from None
         mode.collectors.append(cluster)
 

@@ -52,6 +52,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -83,7 +84,9 @@ from .zkmarks import (
     ZK_MARK_AHEAD_MS,
     MarkOfAnotherLayout,
     ZkMarkStore,
+    ZooKeeperSilent,
     describe_layout,
+    describe_zk_error,
     layout_from_json,
     mark_layout,
     restore_marks,
@@ -127,6 +130,14 @@ def _parse_layout(path: str, data: bytes) -> Layout:
         ) from None
 
 
+class _ScanUnfinished(Exception):
+    """The high-water marks could not all be read in the time given: ``left`` unread."""
+
+    def __init__(self, left: int) -> None:
+        super().__init__(f"{left} high-water marks not read in time")
+        self.left = left
+
+
 class Cluster(Collector):
     """This node's membership: connect, check peers, register, keep serving safely.
 
@@ -158,9 +169,14 @@ class Cluster(Collector):
         self._open_worker = open_worker
         self._client_factory = client_factory
         self._gate = gate
+        # Ends the supervision thread: close() alone sets it.
         self._stop = threading.Event()
+        # Ends every wait (start-up's, and a registration's again): interrupt() and close().
+        # Not _stop: a stop asked for after start (a SIGTERM while draining) must leave the
+        # heartbeats running until close().
+        self._interrupt = threading.Event()
         # A stop ends a wait at once (the first-start wait can be long): by default.
-        self._sleep = sleep or self._stop.wait
+        self._sleep = sleep or self._interrupt.wait
         self.address = address
         self._timeout = settings.zk_session_timeout
         self._granted = GrantedTimeout(self._timeout)
@@ -181,6 +197,13 @@ class Cluster(Collector):
         self._last_contact = float("-inf")
         # Why this node stopped handing out ids: its layout is not the recorded one.
         self._layout_stop: str | None = None
+        # The layout record this node read last (None: not a layout); see _keep_layout.
+        self._last_record: Layout | None = None
+        # The marks' layouts read so far, by datacenter: (its child version, its marks,
+        # the layout of each mark read; None: the mark names none); see _marks_layouts.
+        self._scan: dict[str, tuple[int, list[str], dict[str, Layout | None]]] = {}
+        self._scanned_for: int | None = None  # the layout record's mzxid the scan is for
+        self._layout_skips = 0  # ticks in a row whose layout check did not finish
         self._events: Counter[str] = Counter()
         self._skipped: Counter[str] = Counter()
         self.registrations = 0
@@ -202,11 +225,15 @@ class Cluster(Collector):
         of a held static worker id, the first-start wait. A ZooKeeper call already
         under way ends within ``--zk-connect-timeout`` as always. A node interrupted
         before its worker was opened has written no mark, in ZooKeeper or on disk: its
-        next start waits the first-start wait again."""
-        self._stop.set()
+        next start waits the first-start wait again.
+
+        Once started, it ends nothing but such waits (a registration again after a lost
+        session has them too): the supervision keeps proving the registration until
+        :meth:`close`, so a stop asked for while draining never lapses the gate."""
+        self._interrupt.set()
 
     def _interrupted(self, doing: str) -> None:
-        if self._stop.is_set():
+        if self._interrupt.is_set():
             raise StartupInterrupted(f"stopping while {doing}; not registered")
 
     def connect(self) -> None:
@@ -237,7 +264,7 @@ class Cluster(Collector):
         connected = client.start_async()
         deadline = boot_clock() + self._settings.zk_connect_timeout
         while not connected.wait(_CONNECT_POLL_S):
-            if self._stop.is_set() or boot_clock() > deadline:
+            if self._interrupt.is_set() or boot_clock() > deadline:
                 client.stop()
                 client.close()
                 return None
@@ -248,7 +275,7 @@ class Cluster(Collector):
         self._interrupted("about to ask the registered peers")
         check_peers(
             self._client, self._settings, self.address, self._clock, self._sleep,
-            self._stop.is_set,
+            self._interrupt.is_set,
         )  # fmt: skip
 
     def register(self) -> None:
@@ -378,6 +405,7 @@ class Cluster(Collector):
             theirs, where = self._record_layout(), f"{path}, recorded from its marks"
         else:
             theirs, where = _parse_layout(path, found), path
+        self._last_record = theirs
         if theirs != ours:
             raise StartupRefused(
                 f"Layout insanity: this node would make ids with {describe_layout(ours)}, but the "
@@ -390,7 +418,13 @@ class Cluster(Collector):
         marks (the ids handed out so far were made with it), or ours if there is no
         mark anywhere. ``StartupRefused`` if the marks disagree among themselves."""
         path = self._layout_path
-        found = self._marks_layouts()
+        try:
+            found = self._marks_layouts(time.monotonic() + self._wait)
+        except _ScanUnfinished as e:
+            raise ZooKeeperSilent(
+                f"reading the high-water marks under {self._marks_root} ({e.left} of them "
+                "not read)", self._wait,
+            ) from None  # fmt: skip
         if len(found) > 1:
             which = "; ".join(
                 f"{describe_layout(layout)}: {', '.join(paths)}" for layout, paths in found.items()
@@ -416,18 +450,61 @@ class Cluster(Collector):
         )  # fmt: skip
         return layout
 
-    def _marks_layouts(self) -> dict[Layout, list[str]]:
-        """The layouts the marks under ``marks/`` were made with, and which marks."""
-        root = self._marks_root
+    def _marks_layouts(self, deadline: float) -> dict[Layout, list[str]]:
+        """The layouts the marks under ``marks/`` were made with, and which marks; read
+        by ``deadline`` (``time.monotonic()``), else ``_ScanUnfinished``.
+
+        The marks are read all at once, not one after another: a cluster may hold
+        thousands, and one read waits a round trip. What was read is kept for the next
+        scan (an unfinished one goes on from there): a mark names another layout only
+        when it is created again, which moves its datacenter's child version, so only
+        the marks of a datacenter whose children changed are read again."""
+        root, client = self._marks_root, self._client
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        dcs = children(client, root, f"listing the high-water marks in {root}", left() or 0.05)
+        listings = [
+            (dc, client.get_children_async(f"{root}/{dc}", include_data=True)) for dc in dcs
+        ]
+        scan: dict[str, tuple[int, list[str], dict[str, Layout | None]]] = {}
+        for dc, listing in listings:
+            try:
+                names, stat = listing.get(timeout=left())
+            except NoNodeError:
+                continue
+            except KazooTimeoutError:
+                raise _ScanUnfinished(len(listings)) from None
+            cversion, _, known = self._scan.get(dc, (None, [], {}))
+            if cversion != stat.cversion:
+                known = {}
+            names = sorted(names, key=lambda n: (len(n), n))
+            scan[dc] = (stat.cversion, names, {w: known[w] for w in names if w in known})
+        self._scan = scan
+        reads = [
+            (known, worker, client.get_async(f"{root}/{dc}/{worker}"))
+            for dc, (_, names, known) in scan.items()
+            for worker in names
+            if worker not in known
+        ]
+        unread = 0
+        for known, worker, read in reads:
+            try:
+                # Past the deadline, still collect what has come (timeout 0): kept.
+                data, _ = read.get(timeout=left())
+            except NoNodeError:
+                known[worker] = None  # deleted: its datacenter's next listing says more
+            except KazooTimeoutError:
+                unread += 1
+            else:
+                known[worker] = mark_layout(data)
+        if unread:
+            raise _ScanUnfinished(unread)
         found: dict[Layout, list[str]] = {}
-        for dc in children(self._client, root, self._wait):
-            for worker in children(self._client, f"{root}/{dc}", self._wait):
-                path = f"{root}/{dc}/{worker}"
-                try:
-                    data, _ = self._call(f"reading {path}", "get", path)
-                except NoNodeError:
-                    continue
-                layout = mark_layout(data)
+        for dc, (_, names, known) in scan.items():
+            for worker in names:
+                layout = known[worker]
                 if layout is not None:
                     found.setdefault(layout, []).append(f"marks/{dc}/{worker}")
         return found
@@ -540,6 +617,8 @@ class Cluster(Collector):
                 self._tick()
             except (StartupRefused, StartupDeferred) as e:
                 log.error("cannot register again yet: %s", e)
+            except (KazooException, KazooTimeoutError) as e:
+                log.warning("ZooKeeper supervision: %s; trying again", describe_zk_error(e))
             except Exception as e:  # noqa: BLE001 - retried on the next tick
                 log.warning("ZooKeeper supervision: %s: %s", type(e).__name__, e)
 
@@ -587,38 +666,68 @@ class Cluster(Collector):
 
     def _keep_layout(self) -> None:
         """Keep the layout znode the cluster's (see the module's docstring), or stop
-        handing out ids if this node's layout is not the cluster's."""
-        path, ours = self._layout_path, self._layout
+        handing out ids if this node's layout is not the cluster's.
+
+        It runs between two heartbeats, so it is given a quarter of the session timeout:
+        the gap between two heartbeats (this, the tick's interval of at most a quarter,
+        the heartbeat) stays well inside the gate's 0.9 x session timeout. What cannot
+        be read in that time is not decided on: the check is skipped this tick (the
+        marks read are kept for the next), and the node stays as it was."""
+        deadline = time.monotonic() + self.session_timeout / 4
         try:
-            data, stat = self._client.get_async(path).get(timeout=_OP_TIMEOUT_S)
-        except NoNodeError:
-            try:
-                self._client.create_async(path, _layout_data(ours)).get(timeout=_OP_TIMEOUT_S)
-            except NodeExistsError:
-                return  # recorded by another node meanwhile: read at the next tick
-            log.warning(
-                "the cluster's layout znode %s was gone: recorded it again from this node's "
-                "layout (%s), the layout of its marks", path, describe_layout(ours),
+            self._check_recorded_layout(deadline)
+        except (_ScanUnfinished, ZooKeeperSilent, KazooException, KazooTimeoutError) as e:
+            if isinstance(e, _ScanUnfinished):
+                why = f"{e.left} high-water marks still to read"
+            elif isinstance(e, ZooKeeperSilent):
+                why = f"no answer from ZooKeeper while {e.what}"
+            else:
+                why = describe_zk_error(e)
+            self._layout_skips += 1
+            log.log(
+                logging.WARNING if self._layout_skips == 1 else logging.DEBUG,
+                "the cluster's layout was not checked within %g s (a quarter of the session "
+                "timeout, so that heartbeats are not late): %s; checking it at the next ticks",
+                self.session_timeout / 4, why,
             )  # fmt: skip
             return
+        self._layout_skips = 0
+
+    def _check_recorded_layout(self, deadline: float) -> None:
+        path, ours = self._layout_path, self._layout
+
+        def call(what: str, method: str, *args: Any, **kwargs: Any) -> Any:
+            left = min(self._wait, deadline - time.monotonic())
+            if left <= 0:
+                raise ZooKeeperSilent(what, 0)
+            return zk_call(self._client, left, what, method, *args, **kwargs)
+
+        try:
+            data, stat = call(f"reading the layout in {path}", "get", path)
+        except NoNodeError:
+            self._record_layout_again(call)
+            return
+        if stat.mzxid != self._scanned_for:
+            self._scan, self._scanned_for = {}, stat.mzxid  # a new record: read the marks anew
         try:
             recorded: Layout | None = _parse_layout(path, data)
         except StartupRefused:
             recorded = None
+        self._last_record = recorded
         if recorded == ours:
             if self._layout_stop is not None:
                 log.warning("the cluster's layout in %s is this node's again: serving", path)
                 self._layout_stop = None
             return
         shown = "something that is not a layout" if recorded is None else describe_layout(recorded)
-        if set(self._marks_layouts()) == {ours}:
+        if set(self._marks_layouts(deadline)) == {ours}:
             # Every id marked so far was made with our layout: the record is wrong.
             try:
-                self._client.set_async(path, _layout_data(ours), version=stat.version).get(
-                    timeout=_OP_TIMEOUT_S
-                )
+                call(f"writing the layout back to {path}", "set", path, _layout_data(ours),
+                     version=stat.version)  # fmt: skip
             except BadVersionError:
                 return  # changed again meanwhile: read at the next tick
+            self._last_record = ours
             log.error(
                 "the cluster's layout znode %s said %s, but every high-water mark was made "
                 "with %s (this node's): wrote it back", path, shown, describe_layout(ours),
@@ -632,6 +741,26 @@ class Cluster(Collector):
             log.error("stopped handing out ids: %s", reason)
         self._layout_stop = reason
         self._slot.close(reason)
+
+    def _record_layout_again(self, call: Callable[..., Any]) -> None:
+        """The layout znode is gone: record again the layout this node read there last.
+
+        For a serving node that is its own; for a node stopped for its layout it is the
+        record that stopped it, so that its own write never lets it serve again (nor
+        stops the nodes of that layout). A node whose last record was not a layout
+        writes nothing: the others, or the next node to start (from the marks), do."""
+        path, record = self._layout_path, self._last_record
+        if record is None:
+            return
+        try:
+            call(f"recording the layout in {path} again", "create", path, _layout_data(record))
+        except NodeExistsError:
+            return  # recorded by another node meanwhile: read at the next tick
+        stays = "" if self._layout_stop is None else " (not this node's: it stays stopped)"
+        log.warning(
+            "the cluster's layout znode %s was gone: recorded it again as this node last "
+            "read it, %s%s", path, describe_layout(record), stays,
+        )  # fmt: skip
 
     def _register_again(self) -> None:
         old = self._slot.retire()
@@ -673,6 +802,7 @@ class Cluster(Collector):
     def close(self) -> None:
         """Stop serving, store the exact final marks, delete our node, end the session."""
         self._stop.set()
+        self._interrupt.set()  # a registration again in the supervision thread may wait
         if self._thread is not None:
             self._thread.join()
         self._slot.retire()

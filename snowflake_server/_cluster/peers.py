@@ -34,6 +34,7 @@ from kazoo.exceptions import NoNodeError
 from snowflake_thrift_client import Layout
 from snowflake_thrift_client._idl import layout_from_thrift
 from snowflake_thrift_client._transports import open_client
+from thriftpy2.protocol.exc import TProtocolException
 from thriftpy2.thrift import TApplicationException
 from thriftpy2.transport import TTransportException
 
@@ -44,6 +45,16 @@ from .zkmarks import describe_layout, zk_call
 __all__ = ["check_peers", "children", "refused_retry_s"]
 
 log = logging.getLogger(__name__)
+
+# What a peer that does not speak the protocol raises: the Cython protocol's own error
+# (when thriftpy2 was built with it), the pure Python one's, or a short read.
+_NOT_THRIFT: tuple[type[Exception], ...] = (EOFError, TProtocolException)
+try:
+    from thriftpy2.protocol.cybin import ProtocolError  # type: ignore[attr-defined]
+
+    _NOT_THRIFT += (ProtocolError,)
+except ImportError:  # pragma: no cover - thriftpy2 without its Cython extensions
+    pass
 
 _PEER_TIMEOUT_S = 1.0
 _REFUSED_POLL_S = 0.05
@@ -61,12 +72,11 @@ def refused_retry_s(settings: ClusterSettings) -> float:
     return settings.first_start_wait + startup + _REFUSED_MARGIN_S
 
 
-def children(client: Any, path: str, timeout_s: float = 10.0) -> list[str]:
+def children(client: Any, path: str, what: str, timeout_s: float = 10.0) -> list[str]:
     """The children of ``path`` in numeric order (none if it does not exist), read
-    within ``timeout_s`` (``StartupDeferred`` otherwise)."""
+    within ``timeout_s`` (``StartupDeferred`` otherwise, saying ``what`` was done)."""
     try:
-        names = zk_call(client, timeout_s, f"reading the registrations in {path}",
-                        "get_children", path)  # fmt: skip
+        names = zk_call(client, timeout_s, what, "get_children", path)
         return sorted(names, key=lambda n: (len(n), n))
     except NoNodeError:
         return []
@@ -130,23 +140,50 @@ def _registrations(client: Any, root: str, wait: float) -> dict[str, set[Pair]]:
     One address may hold several registrations (a node run with --processes: any
     of its processes may answer), so each address is asked once."""
     registered: dict[str, set[Pair]] = {}
-    for dc_name in children(client, root, wait):
-        for worker_name in children(client, f"{root}/{dc_name}", wait):
-            pair = (int(dc_name), int(worker_name))
+    for dc_name in children(client, root, f"reading the registrations in {root}", wait):
+        where = f"{root}/{dc_name}"
+        for worker_name in children(client, where, f"reading the registrations in {where}", wait):
+            pair = (_number(root, dc_name), _number(where, worker_name))
             peer = _registered_at(client, root, pair, wait)
             if peer is not None:
                 registered.setdefault(peer, set()).add(pair)
     return registered
 
 
+def _number(parent: str, name: str) -> int:
+    """A datacenter's or worker's id, the name of a znode under ``parent``."""
+    if not name.isdigit() or not name.isascii():
+        raise StartupRefused(
+            f"{parent}/{name} is not a node's registration (its name is not a number): "
+            "registrations that cannot be read cannot be checked; remove it by hand"
+        )
+    return int(name)
+
+
 def _registered_at(client: Any, root: str, pair: Pair, wait: float) -> str | None:
-    """The address registered for ``pair``; None if it is not registered."""
+    """The address registered for ``pair``; None if it is not registered.
+    ``StartupRefused`` if it is not a ``host:port``: a registration nobody can check."""
     path = f"{root}/{pair[0]}/{pair[1]}"
     try:
         data, _ = zk_call(client, wait, f"reading the registration {path}", "get", path)
     except NoNodeError:
         return None  # gone meanwhile
-    return str(data.decode(errors="replace"))
+    address = str(data.decode(errors="replace"))
+    if _host_port(address) is None:
+        raise StartupRefused(
+            f"the registration {path} holds {address!r}, not a node's host:port: a "
+            "registration that cannot be read cannot be checked; remove it by hand (a node "
+            "registers as its --advertise-host:--advertise-port)"
+        )
+    return address
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``host:port``; None if it is not one."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not port.isascii() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
 
 
 class _Budget:
@@ -292,9 +329,11 @@ def _ask_peer(
 ) -> tuple[Pair, int, Layout | None]:
     """One connection: the (datacenter, worker) that answers, its clock minus ours,
     and its layout (None if it has no ``get_layout``); ``_NoAnswer`` if it gives none."""
-    host, _, port = peer.rpartition(":")
+    parsed = _host_port(peer)
+    assert parsed is not None, peer  # registrations are checked when read
+    host, port = parsed
     try:
-        client = open_client(host, int(port), transport, _PEER_TIMEOUT_S)
+        client = open_client(host, port, transport, _PEER_TIMEOUT_S)
         try:
             peer_worker = client.get_worker_id()
             peer_dc = client.get_datacenter_id()
@@ -315,5 +354,21 @@ def _ask_peer(
         why = cause.strerror if isinstance(cause, OSError) and cause.strerror else ""
         raise _NoAnswer(f"{e.message} ({why.lower()})" if why else str(e.message)) from None
     except Exception as e:  # noqa: BLE001 - any failure to get an answer
-        raise _NoAnswer(f"{type(e).__name__}: {e}") from None
+        raise _NoAnswer(_no_answer(e)) from None
     return (int(peer_dc), int(peer_worker)), int(peer_time - (before + after) // 2), theirs
+
+
+def _no_answer(error: Exception) -> str:
+    """Why a peer gave no answer, in words; an unexpected failure named in parentheses."""
+    if isinstance(error, TApplicationException):
+        return f"it answered with an error: {error.message or 'no message'}"
+    if isinstance(error, TimeoutError):
+        return "it did not answer in time"
+    if isinstance(error, ConnectionError):
+        return "it hung up"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror.lower()
+    if isinstance(error, _NOT_THRIFT):
+        return "it answered with something that is not the Snowflake protocol"
+    detail = f": {error}" if str(error) else ""
+    return f"no answer ({type(error).__name__}{detail})"

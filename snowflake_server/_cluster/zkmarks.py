@@ -18,10 +18,16 @@ from dataclasses import replace
 from typing import Any
 
 from kazoo.exceptions import (
+    AuthFailedError,
     BadVersionError,
     ConnectionClosedError,
+    ConnectionLoss,
+    NoAuthError,
     NodeExistsError,
     NoNodeError,
+    OperationTimeoutError,
+    SessionExpiredError,
+    ZookeeperStoppedError,
 )
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry, RetryFailedError
@@ -36,7 +42,9 @@ __all__ = [
     "ZK_MARK_AHEAD_MS",
     "MarkOfAnotherLayout",
     "ZkMarkStore",
+    "ZooKeeperSilent",
     "describe_layout",
+    "describe_zk_error",
     "layout_from_json",
     "mark_layout",
     "restore_marks",
@@ -79,12 +87,53 @@ def describe_layout(layout: Layout) -> str:
     )
 
 
+# What each kazoo failure means, in an operator's words (most specific first).
+_ZK_ERRORS: tuple[tuple[type[BaseException], str], ...] = (
+    (KazooTimeoutError, "ZooKeeper did not answer in time"),
+    (OperationTimeoutError, "ZooKeeper did not answer in time"),
+    (RetryFailedError, "ZooKeeper did not answer in time, though asked again"),
+    (ConnectionClosedError, "the connection to ZooKeeper was closed"),
+    (ZookeeperStoppedError, "the connection to ZooKeeper was closed"),
+    (ConnectionLoss, "the connection to ZooKeeper was lost"),
+    (SessionExpiredError, "the ZooKeeper session expired"),
+    (NoNodeError, "a znode it needed does not exist (deleted meanwhile?)"),
+    (NodeExistsError, "a znode it creates exists already"),
+    (BadVersionError, "a znode was changed meanwhile by someone else"),
+    (NoAuthError, "ZooKeeper denied access: a znode's ACL does not let this node in"),
+    (AuthFailedError, "ZooKeeper rejected this node's credentials"),
+)
+
+
+def describe_zk_error(error: BaseException) -> str:
+    """What a kazoo exception means, in words; an unexpected one is named in parentheses."""
+    for kind, words in _ZK_ERRORS:
+        if isinstance(error, kind):
+            return words
+    detail = f": {error}" if str(error) else ""
+    return f"ZooKeeper failed ({type(error).__name__}{detail})"
+
+
+class ZooKeeperSilent(StartupDeferred):
+    """ZooKeeper did not answer within the time a call was given: ``what`` was being
+    done, with ``timeout_s``; ``why`` adds what else happened (a closed connection)."""
+
+    def __init__(self, what: str, timeout_s: float, why: str = "") -> None:
+        also = f" ({why})" if why else ""
+        super().__init__(
+            f"ZooKeeper did not answer within {timeout_s:g} s (--zk-connect-timeout) while "
+            f"{what}{also}; is it running? start again once it is"
+        )
+        self.what = what
+        self.timeout_s = timeout_s
+        self.why = why
+
+
 def zk_call(client: Any, timeout_s: float, what: str, method: str, *args: Any, **kw: Any) -> Any:
     """``client.<method>_async(...)``, retried through a dropped connection but ended
-    within ``timeout_s`` (``--zk-connect-timeout``): ``StartupDeferred`` (nothing
-    unsafe happened: try again) saying ``what`` was being done. A plain kazoo call
-    waits for reconnection and retries with backoff, which stretched a start-up against
-    a vanished ZooKeeper to half a minute.
+    within ``timeout_s`` (``--zk-connect-timeout``): ``ZooKeeperSilent``, a
+    ``StartupDeferred`` (nothing unsafe happened: try again) saying ``what`` was being
+    done. A plain kazoo call waits for reconnection and retries with backoff, which
+    stretched a start-up against a vanished ZooKeeper to half a minute.
     """
     deadline = time.monotonic() + timeout_s
 
@@ -97,11 +146,10 @@ def zk_call(client: Any, timeout_s: float, what: str, method: str, *args: Any, *
     retry = KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0, deadline=timeout_s, sleep_func=pause)
     try:
         return retry(attempt)
-    except (KazooTimeoutError, RetryFailedError, ConnectionClosedError) as e:
-        raise StartupDeferred(
-            f"ZooKeeper did not answer within {timeout_s:g} s (--zk-connect-timeout) while "
-            f"{what} ({type(e).__name__}); is it running? start again once it is"
-        ) from None
+    except (KazooTimeoutError, RetryFailedError):
+        raise ZooKeeperSilent(what, timeout_s) from None
+    except ConnectionClosedError as e:
+        raise ZooKeeperSilent(what, timeout_s, describe_zk_error(e)) from None
 
 
 def session_id(client: Any, what: str) -> int:

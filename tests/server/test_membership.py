@@ -39,6 +39,7 @@ from snowflake_server._state.statefile import layout_to_json
 from snowflake_server._state.worker import Worker, WorkerSlot
 from tests.support.endpoints import free_port, unique_scope
 from tests.support.fakes import FakeClock, SecondsClock
+from tests.support.latency import DelayingProxy
 from tests.support.waiting import run_in_thread, wait_until
 from tests.support.zookeeper import ZooKeeper
 
@@ -633,7 +634,7 @@ def test_the_supervision_thread_registers_again_on_its_own(
     # A failure that is not a refusal is logged and retried as well.
     zk.set_acls(f"{zk_path}/marks/0/3", [make_digest_acl("someone", "else", all=True)])
     zk.delete(f"{zk_path}/nodes/0/3")
-    log_events.wait_for("ZooKeeper supervision: NoAuthError")
+    log_events.wait_for("ZooKeeper supervision: ZooKeeper denied access: a znode's ACL does not")
     assert not node.slot.serving
 
 
@@ -785,8 +786,8 @@ def test_a_layout_recorded_by_another_node_meanwhile_counts(
     """Two first nodes at once: the one that records its layout second reads the other's."""
     read_marks = Cluster._marks_layouts
 
-    def others_first(self: Cluster) -> dict[Layout, list[str]]:
-        found = read_marks(self)
+    def others_first(self: Cluster, deadline: float) -> dict[Layout, list[str]]:
+        found = read_marks(self, deadline)
         record_layout(zk, zk_path, **OTHER_LAYOUT)  # the other first node, meanwhile
         return found
 
@@ -865,8 +866,8 @@ def test_a_layout_changed_again_while_being_written_back_is_read_at_the_next_tic
     zk.set(record, b"garbage")
     read_marks = Cluster._marks_layouts
 
-    def written_meanwhile(self: Cluster) -> dict[Layout, list[str]]:
-        found = read_marks(self)
+    def written_meanwhile(self: Cluster, deadline: float) -> dict[Layout, list[str]]:
+        found = read_marks(self, deadline)
         zk.set(record, b"more garbage")  # another write between our read and our write
         return found
 
@@ -894,6 +895,160 @@ def test_a_deleted_layout_recorded_by_another_node_first_is_left_to_it(
     monkeypatch.setattr(node.client, "create_async", created_meanwhile)
     node.tick()
     assert zk.get(record)[0] == b"another node's"
+
+
+def test_a_node_stopped_for_its_layout_records_a_deleted_layout_as_the_one_that_stopped_it(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
+) -> None:
+    """It recorded its own layout, served again, and stopped the cluster's nodes."""
+    narrow = member(worker_id=3, **OTHER_LAYOUT).join()
+    record = f"{zk_path}/layout"
+    zk.set(record, json.dumps(layout_to_json(Layout())).encode())
+    default = member(worker_id=2).join()
+    narrow.tick()
+    assert not narrow.slot.serving, "stopped for its layout"
+    zk.delete(record)
+    narrow.tick()  # the stopped node first
+    assert layout_of(zk, zk_path) == Layout(), "the record that stopped it"
+    log_events.wait_for(
+        f"the cluster's layout znode {record} was gone: recorded it again as this node last "
+        f"read it, {DEFAULT} (not this node's: it stays stopped)"
+    )
+    narrow.gate.advance(1)
+    narrow.tick()
+    narrow.tick()
+    assert not narrow.slot.serving
+    default.gate.advance(1)
+    default.tick()
+    assert default.slot.serving
+
+
+def test_a_node_whose_last_record_was_not_a_layout_leaves_a_deleted_one_to_others(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    narrow = member(worker_id=3, **OTHER_LAYOUT).join()
+    zk.create(f"{zk_path}/marks/0/2", other_layouts_mark(T0, 1288834974657), makepath=True)
+    record = f"{zk_path}/layout"
+    zk.set(record, b"garbage")
+    narrow.tick()
+    assert not narrow.slot.serving, "the marks disagree: the record is not written back"
+    zk.delete(record)
+    narrow.tick()
+    assert zk.exists(record) is None
+    assert not narrow.slot.serving
+
+
+def create_marks(zk: KazooClient, zk_path: str, datacenters: range, workers: range) -> int:
+    """Marks of the default layout for every pair, written at once; how many."""
+    data = json.dumps({"mark_ms": T0, "layout": layout_to_json(Layout())}).encode()
+    for dc in datacenters:
+        zk.ensure_path(f"{zk_path}/marks/{dc}")
+    made = [
+        zk.create_async(f"{zk_path}/marks/{dc}/{w}", data) for dc in datacenters for w in workers
+    ]
+    for result in made:
+        result.get(timeout=10)
+    return len(made)
+
+
+class CountedReads:
+    """The reads of marks a client issued (the client is real; this only counts)."""
+
+    def __init__(self, client: KazooClient, marks: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        real = client.get_async
+
+        def counted(path: str, *args: Any, **kwargs: Any) -> Any:
+            if path.startswith(marks):
+                self.count += 1
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(client, "get_async", counted)
+
+
+def zk_address(zookeeper: ZooKeeper) -> tuple[str, int]:
+    host, _, port = zookeeper.hosts.split(",")[0].rpartition(":")
+    return host, int(port)
+
+
+def test_a_wide_layout_scan_over_a_slow_network_does_not_hold_up_the_heartbeats(
+    member: Make,
+    zookeeper: ZooKeeper,
+    zk: KazooClient,
+    zk_path: str,
+    log_events: LogEvents,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the record not its layout, a node read every mark one after another, each
+    tick: 40 ms a round trip and 300 marks held the heartbeats back 12 s, past the gate."""
+    with DelayingProxy(zk_address(zookeeper), 0.02) as proxy:  # 40 ms a round trip
+        node = member(hosts=proxy.hosts, worker_id=2).join()
+        marks = create_marks(zk, zk_path, range(1, 11), range(30))
+        zk.create(f"{zk_path}/marks/11/0", other_layouts_mark(T0, worker_id_bits=4),
+                  makepath=True)  # fmt: skip
+        record = f"{zk_path}/layout"
+        zk.set(record, json.dumps(layout_to_json(Layout(**OTHER_LAYOUT))).encode())
+        reads = CountedReads(node.client, f"{zk_path}/marks/", monkeypatch)
+        started = time.monotonic()
+        node.tick()
+        took = time.monotonic() - started
+        assert took < SESSION / 4, f"the tick took {took:.2f} s"
+        assert not node.slot.serving, "the scan finished: the marks disagree, it stopped"
+        assert reads.count == marks + 2
+        node.gate.advance(1)
+        node.tick()
+        assert reads.count == marks + 2, "nothing changed: not read again"
+        assert samples(node.cluster)["snowflake_zookeeper_last_contact_age_seconds"] == 0
+        # A scan that cannot finish in time is left for the next ticks.
+        zk.set(record, b"a new record: the marks are read anew")
+        proxy.delay_s = 0.3  # 600 ms a round trip
+        started = time.monotonic()
+        node.tick()
+        took = time.monotonic() - started
+        assert took < 0.6 + SESSION / 4 + 0.4, f"the tick took {took:.2f} s"
+        log_events.wait_for(
+            "the cluster's layout was not checked within 1 s (a quarter of the session "
+            "timeout, so that heartbeats are not late)"
+        )
+        assert zk.get(record)[0] == b"a new record: the marks are read anew", "not decided on"
+        assert not node.slot.serving
+
+
+def test_a_layout_znode_the_node_may_not_read_is_not_decided_on(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
+) -> None:
+    node = member(worker_id=2).join()
+    zk.set_acls(f"{zk_path}/layout", [make_digest_acl("someone", "else", all=True)])
+    node.gate.advance(1)
+    node.tick()
+    log_events.wait_for(
+        "the cluster's layout was not checked within 1 s (a quarter of the session timeout, "
+        "so that heartbeats are not late): ZooKeeper denied access"
+    )
+    assert node.slot.serving, "the heartbeat went on"
+
+
+def test_an_unfinished_scan_of_the_marks_goes_on_where_it_stopped(
+    member: Make,
+    zookeeper: ZooKeeper,
+    zk: KazooClient,
+    zk_path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with DelayingProxy(zk_address(zookeeper), 0.0) as proxy:
+        node = member(hosts=proxy.hosts, worker_id=2).join()
+        marks = create_marks(zk, zk_path, range(1, 5), range(30)) + 1  # and node's own
+        reads = CountedReads(node.client, f"{zk_path}/marks/", monkeypatch)
+        proxy.delay_s = 0.25  # listings take 1 s (two round trips), the reads one more
+        with pytest.raises(Exception, match="high-water marks not read in time") as info:
+            node.cluster._marks_layouts(time.monotonic() + 1.25)
+        left: int = info.value.left  # type: ignore[attr-defined]
+        assert 0 < left <= marks and reads.count == marks
+        proxy.delay_s = 0.0
+        found = node.cluster._marks_layouts(time.monotonic() + 5)
+        assert found == {Layout(): [f"marks/{dc}/{w}" for dc in range(5) for w in range(30)
+                                    if dc > 0 or w == 2]}  # fmt: skip
+        assert reads.count == marks + left, "only those not read before"
 
 
 def test_a_static_id_whose_mark_has_another_layout_is_refused(
@@ -1187,7 +1342,7 @@ def test_an_interrupt_during_the_first_start_wait_writes_no_mark_and_the_next_st
     """A mark written during the wait would let the next start skip the very wait that
     guards a mark ZooKeeper lost. It ended in StartupRefused (exit 3) before."""
     node = member(worker_id=0, first_start_wait=15.0)
-    node.cluster._sleep = node.cluster._stop.wait  # the default: a stop ends the wait
+    node.cluster._sleep = node.cluster._interrupt.wait  # the default: a stop ends the wait
     node.cluster.connect()
     thread, outcome = run_in_thread(node.cluster.register)
     log_events.wait_for("waiting --first-start-wait 15 s")
@@ -1235,6 +1390,17 @@ def test_an_interrupt_ends_the_peer_checks(member: Make, zk: KazooClient, zk_pat
         node.cluster.register()
     with pytest.raises(StartupInterrupted, match="stopping while about to ask the registered"):
         node.cluster.check_peers()
+
+
+def test_an_interrupt_after_start_leaves_the_heartbeats_running(member: Make) -> None:
+    """A stop asked while draining (a second SIGTERM) ended the supervision thread: the
+    gate lapsed while the node still had calls to finish."""
+    node = member(worker_id=2, supervise_every=0.01).join()
+    node.cluster.interrupt()
+    before = node.slot.open_until
+    node.gate.advance(1)
+    wait_until(lambda: node.slot.open_until >= before + 1, "a heartbeat after the interrupt")
+    assert node.slot.serving
 
 
 def test_an_interrupt_ends_the_wait_for_zookeeper(member: Make) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from kazoo.client import KazooClient
+from kazoo.security import make_digest_acl
 
 from snowflake_server import (
     ConfigurationError,
@@ -114,6 +115,32 @@ def test_a_cluster_node_audits_every_id_and_deregisters_with_its_mark(
     assert mark == decompose(ids[-1]).timestamp_ms, "the exact final mark"
     written = [int(json.loads(line)["id"]) for line in audit.read_text().splitlines()]
     assert written == ids, "the cluster closed before the audit trail: every id written"
+
+
+@pytest.mark.zookeeper
+def test_a_zk_path_whose_acl_keeps_the_node_out_is_a_configuration_error(
+    zookeeper: ZooKeeper, zk: KazooClient, zk_path: str, tmp_path: Path
+) -> None:
+    """It never passes by itself: exit 2, not 75 (it was "try again", and a class name)."""
+    zk.create(zk_path, acl=[make_digest_acl("someone", "else", all=True)], makepath=True)
+    settings = ServerSettings(
+        zookeeper=zookeeper.hosts,
+        zk_path=zk_path,
+        worker_id=1,
+        skip_sanity_checks=True,
+        state_dir=str(tmp_path),
+        port=free_port(),
+        metrics_port=0,
+        first_start_wait=0,
+        host_lock_scope=unique_scope(),
+    )
+    with pytest.raises(ConfigurationError) as info:
+        Node(settings).start()
+    assert str(info.value) == (
+        "ZooKeeper refused this node during start-up: ZooKeeper denied access: a znode's "
+        f"ACL does not let this node in; give the znodes under --zk-path {zk_path} an ACL "
+        "that lets it in"
+    )
 
 
 class SteppableClock:

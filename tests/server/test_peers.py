@@ -13,10 +13,11 @@ from typing import Any, Protocol
 import pytest
 from kazoo.client import KazooClient
 from thriftpy2.rpc import make_server
+from thriftpy2.thrift import TApplicationException
 from thriftpy2.transport import TFramedTransportFactory
 
 from snowflake_server import ServerSettings, StartupRefused
-from snowflake_server._cluster.peers import check_peers, children, refused_retry_s
+from snowflake_server._cluster.peers import _no_answer, check_peers, children, refused_retry_s
 from snowflake_server._errors import StartupDeferred, StartupInterrupted
 from snowflake_server._ids.clocks import wall_clock_ms
 from tests.support.endpoints import free_port
@@ -91,7 +92,7 @@ def test_no_registrations_no_peers(
     check: Check, zk: KazooClient, zk_path: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("INFO")
-    assert children(zk, f"{zk_path}/nodes") == []
+    assert children(zk, f"{zk_path}/nodes", "reading") == []
     check()
     assert "no registered peers to check" in caplog.text
 
@@ -99,7 +100,7 @@ def test_no_registrations_no_peers(
 def test_children_are_in_numeric_order(zk: KazooClient, zk_path: str) -> None:
     for name in ("10", "2", "1"):
         zk.create(f"{zk_path}/{name}", makepath=True)
-    assert children(zk, zk_path) == ["1", "2", "10"]
+    assert children(zk, zk_path, "reading") == ["1", "2", "10"]
 
 
 def test_a_sane_peer_passes(
@@ -136,13 +137,10 @@ def test_a_peer_not_what_its_registration_says_is_insanity(
     assert str(info.value) == message.format(peer=address(peer))
 
 
-@pytest.mark.parametrize("where", ["dead", "malformed"])
-def test_a_peer_silent_past_the_bound_defers_start(
-    check: Check, register: Register, where: str
-) -> None:
+def test_a_peer_silent_past_the_bound_defers_start(check: Check, register: Register) -> None:
     """Exit 75, not 3: a silent peer passes by itself (it listens, or its registration
     expires); nothing was registered meanwhile."""
-    dead = f"127.0.0.1:{free_port()}" if where == "dead" else "no-port-here"
+    dead = f"127.0.0.1:{free_port()}"
     register("0/9", dead)
     waits: list[float] = []
     with pytest.raises(StartupDeferred) as info:
@@ -153,10 +151,87 @@ def test_a_peer_silent_past_the_bound_defers_start(
     # in cluster mode the first-start wait is 10 + 10 s, the start-up wait 10 s).
     assert "it stayed registered and silent for the 35 s the peer checks wait" in message
     assert "--skip-sanity-checks" in message
-    if where == "dead":
-        assert "(connection refused)" in message
+    assert "(connection refused)" in message
     # The waits between tries make up the bound, less what the failed tries took.
     assert 30 < sum(waits) < 35.01
+
+
+@pytest.mark.parametrize(
+    "data", ["no-port-here", "10.0.0.9:http", "10.0.0.9:0", "10.0.0.9:70000", ":7609", "10.0.0.9:"]
+)
+def test_a_registration_that_is_not_host_port_refuses_at_once(
+    check: Check, register: Register, zk_path: str, data: str
+) -> None:
+    """It never passes: it was asked for 35 s, then exit 75, as a silent peer."""
+    register("0/9", data)
+    waits: list[float] = []
+    with pytest.raises(StartupRefused) as info:
+        check(sleep=waits.append)
+    assert str(info.value) == (
+        f"the registration {zk_path}/nodes/0/9 holds {data!r}, not a node's host:port: a "
+        "registration that cannot be read cannot be checked; remove it by hand (a node "
+        "registers as its --advertise-host:--advertise-port)"
+    )
+    assert waits == [], "refused at once"
+
+
+@pytest.mark.parametrize("name", ["0/x9", "dc/9"])
+def test_a_registration_whose_name_is_not_a_number_refuses(
+    check: Check, register: Register, zk_path: str, name: str
+) -> None:
+    register(name, "10.0.0.9:7609")
+    bad = name.split("/")[0] if name.startswith("dc") else name
+    with pytest.raises(StartupRefused) as info:
+        check()
+    assert str(info.value) == (
+        f"{zk_path}/nodes/{bad} is not a node's registration (its name is not a number): "
+        "registrations that cannot be read cannot be checked; remove it by hand"
+    )
+
+
+def test_a_peer_that_does_not_speak_thrift_is_said_so_in_words(
+    check: Check, register: Register
+) -> None:
+    """It said "ProtocolError: No protocol version header"."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def answer_garbage() -> None:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.recv(1024)
+                    conn.sendall(b"\x00\x00\x00\x08garbage!")
+
+        threading.Thread(target=answer_garbage, daemon=True).start()
+        register("0/9", f"127.0.0.1:{listener.getsockname()[1]}")
+        with pytest.raises(StartupDeferred) as info:
+            check(first_start_wait=0.0, max_startup_wait=0.0, zk_connect_timeout=1.0)
+        listener.shutdown(socket.SHUT_RDWR)
+    assert "is unreachable: it answered with something that is not the Snowflake protocol;" in (
+        str(info.value)
+    )
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (TApplicationException(TApplicationException.INTERNAL_ERROR, "boom"),
+         "it answered with an error: boom"),
+        (TApplicationException(TApplicationException.INTERNAL_ERROR),
+         "it answered with an error: no message"),
+        (TimeoutError(), "it did not answer in time"),
+        (ConnectionResetError(), "it hung up"),
+        (OSError(113, "No route to host"), "no route to host"),
+        (EOFError(), "it answered with something that is not the Snowflake protocol"),
+        (RuntimeError("odd"), "no answer (RuntimeError: odd)"),
+        (RuntimeError(), "no answer (RuntimeError)"),
+    ],
+)  # fmt: skip
+def test_why_a_peer_gave_no_answer_is_said_in_words(error: Exception, said: str) -> None:
+    assert _no_answer(error) == said
 
 
 def test_the_bound_is_one_for_all_peers(check: Check, register: Register) -> None:

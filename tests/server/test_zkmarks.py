@@ -13,12 +13,21 @@ from typing import Any
 
 import pytest
 from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import (
+    ConnectionLoss,
+    NoAuthError,
+    NoNodeError,
+    NotEmptyError,
+    SessionExpiredError,
+)
+from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.connection import _SESSION_EXPIRED
 
 from snowflake_server import Layout, ReservationError, StartupRefused
 from snowflake_server._cluster.zkmarks import (
     MarkOfAnotherLayout,
     ZkMarkStore,
+    describe_zk_error,
     restore_marks,
     zk_call,
 )
@@ -304,9 +313,10 @@ def test_a_call_to_a_vanished_zookeeper_ends_within_its_timeout(tmp_path: Path) 
         with pytest.raises(StartupDeferred) as info:
             zk_call(client, 1.0, "reading /x", "get", "/x")
         assert time.monotonic() - started < 2
-        assert str(info.value).startswith(
-            "ZooKeeper did not answer within 1 s (--zk-connect-timeout) while reading /x"
-        )
+        assert str(info.value) == (
+            "ZooKeeper did not answer within 1 s (--zk-connect-timeout) while reading /x; is "
+            "it running? start again once it is"
+        ), "in words, no exception class"
     finally:
         client.stop()
         client.close()
@@ -390,3 +400,19 @@ def test_restore_gives_up_on_a_mark_that_keeps_changing(zk: KazooClient, path: s
 
     with pytest.raises(StartupRefused, match="kept changing"):
         restore_marks(Meddler(), path, (T0 + 5000,), 0, Layout())
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (KazooTimeoutError(), "ZooKeeper did not answer in time"),
+        (ConnectionLoss(), "the connection to ZooKeeper was lost"),
+        (SessionExpiredError(), "the ZooKeeper session expired"),
+        (NoNodeError(), "a znode it needed does not exist (deleted meanwhile?)"),
+        (NoAuthError(), "ZooKeeper denied access: a znode's ACL does not let this node in"),
+        (NotEmptyError(), "ZooKeeper failed (NotEmptyError)"),
+        (NotEmptyError("odd"), "ZooKeeper failed (NotEmptyError: odd)"),
+    ],
+)
+def test_zookeeper_errors_are_said_in_words(error: Exception, said: str) -> None:
+    assert describe_zk_error(error) == said
