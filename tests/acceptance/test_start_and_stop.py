@@ -12,16 +12,13 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import time
 from pathlib import Path
-from typing import IO
 
 import pytest
 from kazoo.client import KazooClient
 
 from tests.support.endpoints import free_port
-from tests.support.processes import child_pids, spawn_server, start_server
+from tests.support.processes import Spawned, child_pids, spawned, start_server
 from tests.support.waiting import wait_until
 from tests.support.zookeeper import ZooKeeper
 
@@ -29,25 +26,21 @@ from tests.support.zookeeper import ZooKeeper
 # take 60 s if it did not.
 _STOP_WITHIN_S = 2.0
 _LONG_WAIT = "60"
+_EXIT_WITHIN_S = 15.0  # for a start that fails at once (it would wait 60 s otherwise)
 
 
-def log_of(stderr: IO[str]) -> str:
-    stderr.seek(0)
-    return stderr.read()
+def stopped(server: Spawned) -> int:
+    """SIGTERM ``server``: its exit code, once it stopped within ``_STOP_WITHIN_S``."""
+    code, took = server.end(_STOP_WITHIN_S + 8, signal.SIGTERM)
+    assert took < _STOP_WITHIN_S, f"it took {took:.2f} s to stop\n{server.log()}"
+    return code
 
 
-def stopped_within(process: subprocess.Popen[str], bound_s: float) -> tuple[int, float]:
-    """SIGTERM ``process``; its exit code and how long it took (``AssertionError``
-    past ``bound_s`` and some slack for a loaded machine)."""
-    asked = time.monotonic()
-    process.send_signal(signal.SIGTERM)
-    try:
-        code = process.wait(bound_s + 8)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    return code, time.monotonic() - asked
+def waits_first_start(server: Spawned, count: int = 1) -> None:
+    wait_until(
+        lambda: server.log().count("waiting --first-start-wait") == count,
+        "the start waits --first-start-wait",
+    )
 
 
 def test_a_stop_during_the_first_start_wait_writes_no_mark_and_the_next_start_waits_again(
@@ -55,61 +48,49 @@ def test_a_stop_during_the_first_start_wait_writes_no_mark_and_the_next_start_wa
 ) -> None:
     state_dir = tmp_path / "state"
     for attempt in ("first", "second"):
-        process, stderr, _ = spawn_server(state_dir=state_dir, first_start_wait=_LONG_WAIT)
-        with stderr:
-            wait_until(
-                lambda log=stderr: "waiting --first-start-wait" in log_of(log),  # type: ignore[misc]
-                f"the {attempt} start waits --first-start-wait",
-            )
-            code, took = stopped_within(process, _STOP_WITHIN_S)
-            assert process.stdout is not None
-            process.stdout.close()
-            log = log_of(stderr)
-        assert code == 0, f"{attempt} start: exit {code}, not a clean stop\n{log}"
-        assert took < _STOP_WITHIN_S, f"{attempt} start took {took:.2f} s to stop\n{log}"
-        assert "stopped while starting" in log
+        with spawned(state_dir=state_dir, first_start_wait=_LONG_WAIT) as server:
+            waits_first_start(server)
+            assert stopped(server) == 0, f"{attempt} start: not a clean stop\n{server.log()}"
+        assert "stopped while starting" in server.log()
         # Nothing reserved, nothing written: the next start cannot skip its wait.
         assert list(state_dir.glob("worker-*.json")) == [], "a mark was written while waiting"
 
 
 def test_a_stop_during_the_clock_wait_leaves_the_mark_as_it_was(tmp_path: Path) -> None:
-    server = start_server()
-    server.raw_client().get_id("before")
-    assert server.stop() == 0 and server.state_dir is not None
-    state = next(server.state_dir.glob("worker-*.json"))
+    first = start_server()
+    first.raw_client().get_id("before")
+    assert first.stop() == 0 and first.state_dir is not None
+    state = next(first.state_dir.glob("worker-*.json"))
     # The mark a minute ahead of the clock: the next start waits for the clock.
     record = json.loads(state.read_text())
     record["high_water_mark_ms"] += 60_000
     state.write_text(json.dumps(record) + "\n")
     before = state.read_bytes()
-    process, stderr, _ = spawn_server("--max-startup-wait", "120", state_dir=server.state_dir)
-    with stderr:
-        wait_until(lambda: "behind the high-water mark" in log_of(stderr), "the clock wait")
-        code, took = stopped_within(process, _STOP_WITHIN_S)
-        assert process.stdout is not None
-        process.stdout.close()
-        log = log_of(stderr)
-    assert (code, took < _STOP_WITHIN_S) == (0, True), f"exit {code} after {took:.2f} s\n{log}"
+    with spawned("--max-startup-wait", "120", state_dir=first.state_dir) as server:
+        wait_until(lambda: "behind the high-water mark" in server.log(), "the clock wait")
+        assert stopped(server) == 0, server.log()
     assert state.read_bytes() == before, "the mark was rewritten by a node that never reserved"
 
 
-@pytest.mark.parametrize("port", ["--port", "--metrics-port", "--http-port"])
-def test_a_port_in_use_fails_at_once_not_after_the_first_start_wait(port: str) -> None:
+@pytest.mark.parametrize(
+    ("port", "more"),
+    [
+        ("--port", ()),
+        ("--metrics-port", ()),
+        ("--http-port", ()),
+        ("--metrics-port", ("--processes", "2")),  # the supervisor's own, before its processes
+    ],
+)
+def test_a_port_in_use_fails_at_once_not_after_the_first_start_wait(
+    port: str, more: tuple[str, ...]
+) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", free_port()))
         taken.listen()
         number = str(taken.getsockname()[1])
-        process, stderr, _ = spawn_server(port, number, first_start_wait=_LONG_WAIT)
-        with stderr:
-            try:
-                code = process.wait(15)
-            finally:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-            assert process.stdout is not None
-            process.stdout.close()
-            log = log_of(stderr)
+        with spawned(*more, port, number, first_start_wait=_LONG_WAIT) as server:
+            code, _ = server.end(_EXIT_WITHIN_S)
+    log = server.log()
     assert code == 2, f"exit {code}\n{log}"
     assert f"cannot listen on 127.0.0.1:{number}" in log
     assert "waiting --first-start-wait" not in log, "it waited before finding the port taken"
@@ -117,20 +98,10 @@ def test_a_port_in_use_fails_at_once_not_after_the_first_start_wait(port: str) -
 
 def test_a_stop_while_the_supervisor_s_processes_start_stops_them_all(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
-    process, stderr, _ = spawn_server(
-        "--processes", "2", state_dir=state_dir, first_start_wait=_LONG_WAIT
-    )
-    with stderr:
-        wait_until(
-            lambda: log_of(stderr).count("waiting --first-start-wait") == 2,
-            "both processes wait --first-start-wait",
-        )
-        children = child_pids(process.pid)
-        code, took = stopped_within(process, _STOP_WITHIN_S)
-        assert process.stdout is not None
-        process.stdout.close()
-        log = log_of(stderr)
-    assert (code, took < _STOP_WITHIN_S) == (0, True), f"exit {code} after {took:.2f} s\n{log}"
+    with spawned("--processes", "2", state_dir=state_dir, first_start_wait=_LONG_WAIT) as server:
+        waits_first_start(server, count=2)
+        children = child_pids(server.process.pid)
+        assert stopped(server) == 0, server.log()
     assert len(children) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in children)
     assert list(state_dir.glob("worker-*.json")) == [], "a mark was written while waiting"
 
@@ -138,20 +109,33 @@ def test_a_stop_while_the_supervisor_s_processes_start_stops_them_all(tmp_path: 
 def test_the_supervisor_exits_as_a_process_that_did_not_start(tmp_path: Path) -> None:
     not_a_dir = tmp_path / "a-file"
     not_a_dir.write_text("")
-    process, stderr, _ = spawn_server("--processes", "2", state_dir=not_a_dir)
-    with stderr:
-        try:
-            code = process.wait(30)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        assert process.stdout is not None
-        process.stdout.close()
-        log = log_of(stderr)
+    with spawned("--processes", "2", state_dir=not_a_dir) as server:
+        code, _ = server.end(_EXIT_WITHIN_S)
     # A setting the operator must fix (2), not "starting could repeat ids" (3).
-    assert code == 2, f"exit {code}\n{log}"
-    assert "did not start (exit code 2)" in log
+    assert code == 2, f"exit {code}\n{server.log()}"
+    assert "did not start (exit code 2)" in server.log()
+
+
+def test_a_sighup_while_starting_tells_systemd_nothing(
+    notify_socket: tuple[socket.socket, str], tmp_path: Path
+) -> None:
+    sock, path = notify_socket
+    log_file = tmp_path / "server.log"
+    flags = ("--log-file", str(log_file))
+    with spawned(*flags, env={"NOTIFY_SOCKET": path}, first_start_wait=_LONG_WAIT) as server:
+        wait_until(
+            lambda: log_file.exists() and "waiting --first-start-wait" in log_file.read_text(),
+            "the start waits --first-start-wait",
+        )
+        log_file.rename(tmp_path / "rotated.log")
+        server.process.send_signal(signal.SIGHUP)
+        # The log file is reopened (a rotation while starting), and that is all.
+        wait_until(log_file.exists, "the log file reopened")
+        assert stopped(server) == 0
+    sock.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        # READY=1 (after RELOADING=1) would tell systemd the unit had started.
+        sock.recv(4096)
 
 
 # -- cluster mode: the same, and the registration removed -------------------------------
@@ -169,21 +153,12 @@ def test_a_stop_during_the_cluster_s_first_start_wait_deregisters_and_writes_no_
     zookeeper: ZooKeeper, zk: KazooClient, zk_path: str, tmp_path: Path
 ) -> None:
     state_dir = tmp_path / "state"
+    flags = cluster_flags(zookeeper, zk_path)
     for attempt in ("first", "second"):
-        process, stderr, _ = spawn_server(
-            *cluster_flags(zookeeper, zk_path), state_dir=state_dir, first_start_wait=_LONG_WAIT
-        )
-        with stderr:
-            wait_until(
-                lambda log=stderr: "waiting --first-start-wait" in log_of(log),  # type: ignore[misc]
-                f"the {attempt} start waits --first-start-wait",
-            )
+        with spawned(*flags, state_dir=state_dir, first_start_wait=_LONG_WAIT) as server:
+            waits_first_start(server)
             assert zk.get_children(f"{zk_path}/nodes/0") == ["0"], "registered while waiting"
-            code, took = stopped_within(process, _STOP_WITHIN_S)
-            assert process.stdout is not None
-            process.stdout.close()
-            log = log_of(stderr)
-        assert (code, took < _STOP_WITHIN_S) == (0, True), f"exit {code} after {took:.2f} s\n{log}"
+            assert stopped(server) == 0, f"{attempt} start: not a clean stop\n{server.log()}"
         assert zk.get_children(f"{zk_path}/nodes/0") == [], "the registration stayed behind"
         assert zk.exists(f"{zk_path}/marks/0/0") is None, "a mark was written while waiting"
         assert list(state_dir.glob("worker-*.json")) == []
@@ -200,40 +175,8 @@ def test_a_stop_during_the_peer_checks_ends_them(
         peer.settimeout(20)
         address = f"127.0.0.1:{peer.getsockname()[1]}"
         zk.create(f"{zk_path}/nodes/0/5", address.encode(), makepath=True)
-        process, stderr, _ = spawn_server(*cluster_flags(zookeeper, zk_path), "--worker-id", "1")
-        with stderr:
+        with spawned(*cluster_flags(zookeeper, zk_path), "--worker-id", "1") as server:
             for _ in range(2):  # asked, and asked again: in the checks
                 peer.accept()[0].close()
-            code, took = stopped_within(process, _STOP_WITHIN_S)
-            assert process.stdout is not None
-            process.stdout.close()
-            log = log_of(stderr)
-    assert (code, took < _STOP_WITHIN_S) == (0, True), f"exit {code} after {took:.2f} s\n{log}"
+            assert stopped(server) == 0, server.log()
     assert zk.get_children(f"{zk_path}/nodes/0") == ["5"], "only the peer's registration"
-
-
-def test_a_sighup_while_starting_tells_systemd_nothing(
-    notify_socket: tuple[socket.socket, str], tmp_path: Path
-) -> None:
-    sock, path = notify_socket
-    log_file = tmp_path / "server.log"
-    process, stderr, _ = spawn_server(
-        "--log-file", str(log_file), env={"NOTIFY_SOCKET": path}, first_start_wait=_LONG_WAIT
-    )
-    with stderr:
-        wait_until(
-            lambda: log_file.exists() and "waiting --first-start-wait" in log_file.read_text(),
-            "the start waits --first-start-wait",
-        )
-        log_file.rename(tmp_path / "rotated.log")
-        process.send_signal(signal.SIGHUP)
-        # The log file is reopened (a rotation while starting), and that is all.
-        wait_until(log_file.exists, "the log file reopened")
-        code, _ = stopped_within(process, _STOP_WITHIN_S)
-        assert process.stdout is not None
-        process.stdout.close()
-    assert code == 0
-    sock.setblocking(False)
-    with pytest.raises(BlockingIOError):
-        # READY=1 (after RELOADING=1) would tell systemd the unit had started.
-        sock.recv(4096)

@@ -55,7 +55,6 @@ from tests.support.processes import (
     ServerProcess,
     child_pids,
     parse_metrics,
-    spawn_server,
     start_server,
 )
 from tests.support.waiting import wait_until
@@ -691,27 +690,3 @@ def test_a_process_is_killed_fast_only_when_it_certainly_does_not_work(
 
 def alive_state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
-def test_the_supervisors_metrics_port_in_use_fails_before_its_processes_start() -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", free_port()))
-        taken.listen()
-        number = str(taken.getsockname()[1])
-        process, stderr, _ = spawn_server(
-            "--processes", "2", "--metrics-port", number, first_start_wait="60"
-        )
-        with stderr:
-            try:
-                code = process.wait(15)
-            finally:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-            assert process.stdout is not None
-            process.stdout.close()
-            stderr.seek(0)
-            log = stderr.read()
-    assert code == 2, f"exit {code}\n{log}"
-    assert f"cannot listen on 127.0.0.1:{number}" in log
-    assert "waiting --first-start-wait" not in log, "its processes started first"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import glob
 import os
@@ -14,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -151,6 +152,52 @@ def spawn_server(
     }
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     return process, stderr, state_dir
+
+
+class Spawned:
+    """A server from :func:`spawned` that a test watches start, stop or exit."""
+
+    def __init__(self, process: subprocess.Popen[str], stderr: IO[str], state_dir: Path) -> None:
+        self.process = process
+        self.state_dir = state_dir
+        self._stderr = stderr
+        self._final_log: str | None = None
+
+    def log(self) -> str:
+        """What it wrote to stderr so far (all of it once it ended)."""
+        if self._final_log is not None:
+            return self._final_log
+        self._stderr.seek(0)
+        return self._stderr.read()
+
+    def end(self, timeout_s: float, sig: int | None = None) -> tuple[int, float]:
+        """Send ``sig`` (if given) and wait up to ``timeout_s`` for the exit, killing it
+        after that: its exit code and the seconds it took. Its pipes are closed."""
+        asked = time.monotonic()
+        if sig is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            code = self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        took = time.monotonic() - asked
+        if self._final_log is None:
+            self._final_log = self.log()
+            self._stderr.close()
+            assert self.process.stdout is not None
+            self.process.stdout.close()
+        return code, took
+
+
+@contextlib.contextmanager
+def spawned(*args: str, **kwargs: Any) -> Iterator[Spawned]:
+    """:func:`spawn_server` (same arguments), ended (killed if need be) on leaving."""
+    server = Spawned(*spawn_server(*args, **kwargs))
+    try:
+        yield server
+    finally:
+        server.end(0 if server.process.poll() is None else 5)
 
 
 def start_server(
