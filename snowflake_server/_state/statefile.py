@@ -210,10 +210,18 @@ def _unusable_dir(directory: Path, e: OSError) -> ConfigurationError:
 def _permission_fix(directory: Path, e: OSError) -> str | None:
     if e.errno not in (errno.EACCES, errno.EPERM):
         return None
+    try:
+        ours = os.stat(directory).st_uid == os.geteuid()
+    except OSError:  # missing, or its parent may not be searched: give it one of its own
+        ours = False
+    give = (
+        f"chmod u+rwx {directory}"  # ours already: its mode keeps us out
+        if ours
+        else f"chown {os.geteuid()}:{os.getegid()} {directory}"
+    )
     return (
         f"this server's user ({_whoami()}) may not create or use it: give it the "
-        f"directory (chown {os.geteuid()}:{os.getegid()} {directory}), or choose another "
-        "--state-dir"
+        f"directory ({give}), or choose another --state-dir"
     )
 
 

@@ -246,7 +246,15 @@ def test_the_unusable_directory_messages_say_what_to_do(tmp_path: Path) -> None:
     """Errors root never meets in a test: their messages still say the fix."""
     denied = str(_unusable_dir(tmp_path, PermissionError(errno.EACCES, "Permission denied")))
     assert f"cannot use state directory {tmp_path}: Permission denied" in denied
-    assert f"chown {os.geteuid()}:{os.getegid()} {tmp_path}" in denied
+    assert f"(chmod u+rwx {tmp_path})" in denied, "ours already: its mode is the fix"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 10002, 10002)
+    denied = str(_unusable_dir(theirs, PermissionError(errno.EACCES, "Permission denied")))
+    assert f"(chown {os.geteuid()}:{os.getegid()} {theirs})" in denied
+    missing = tmp_path / "missing"
+    denied = str(_unusable_dir(missing, PermissionError(errno.EACCES, "Permission denied")))
+    assert f"(chown {os.geteuid()}:{os.getegid()} {missing})" in denied
     read_only = str(_unusable_dir(tmp_path, OSError(errno.EROFS, "Read-only file system")))
     assert read_only.endswith("Read-only file system; choose another --state-dir")
 
