@@ -167,7 +167,7 @@ class LogLimit(logging.Filter, Collector):
         self._loggers = tuple(loggers)
         self._clock = clock
         self._lock = threading.Lock()
-        self._causes: dict[tuple[str, str, int], _Cause] = {}
+        self._causes: dict[tuple[str, str, int, int, str], _Cause] = {}
         self.suppressed = dict.fromkeys(self._loggers, 0)  # by limited logger, since the start
 
     def _limited(self, name: str) -> str | None:
@@ -183,7 +183,10 @@ class LogLimit(logging.Filter, Collector):
         # The call site, not the message: a message formatted before logging (asyncio's
         # handler puts object ids and addresses in it) would make every line a new cause,
         # never limited, and the table would grow with every client.
-        key = (record.name, record.pathname, record.lineno)
+        # Level and exception type too: asyncio logs every error from one line, and a
+        # flood of one kind must not hide an unrelated traceback.
+        error = record.exc_info[0].__name__ if record.exc_info and record.exc_info[0] else ""
+        key = (record.name, record.pathname, record.lineno, record.levelno, error)
         now = self._clock()
         with self._lock:
             cause = self._causes.get(key)

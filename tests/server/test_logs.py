@@ -167,4 +167,11 @@ def test_a_cause_is_its_logging_call_not_its_text() -> None:
         False,
     ]
     assert passed("another call site", 2), "another logging call is another cause"
+    try:
+        raise ConnectionResetError
+    except ConnectionResetError:
+        reset = loop_log.makeRecord(
+            "asyncio", logging.ERROR, "f", 1, "Exception in callback", (), sys.exc_info()
+        )
+    assert limit.filter(reset), "another kind of error from the same line is another cause"
     assert limit.suppressed["asyncio"] == 3
