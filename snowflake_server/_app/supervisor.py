@@ -128,8 +128,8 @@ the GIL in a stuck call; the child's own liveness tolerates a 30 s stall of its 
 loop, and half that replaces a process stuck for good well before a pod's liveness
 probe (3 failures 10 s apart by default) would restart the whole pod."""
 ANSWER_BOUND_S = 5.0
-"""The supervisor's ``/readyz`` and ``/metrics`` use a child's answers from the latest
-round no older than this (a round takes at most ~2 s: 0.5 s, then answers due within
+"""The supervisor's ``/readyz`` uses a child's answers from the latest round no older
+than this (a round takes at most ~2 s: 0.5 s, then answers due within
 1.25 s); older ones count as no answer."""
 LIVE_BOUND_S = 10.0
 """The supervisor's ``/livez`` fails when no supervision round completed for this long."""

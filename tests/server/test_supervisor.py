@@ -787,7 +787,7 @@ def test_a_process_whose_reaping_failed_is_reaped_before_it_is_restarted(
         os.kill(process.pid, signal.SIGKILL)  # it exits; reaping it fails
         os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
         supervisor.supervise_once()
-        assert supervisor.restarts["failed"] >= 1 and child.restart_at is not None
+        assert child.restart_at is not None, "down, to be retried"
         for _ in range(4):  # past its restart delays: reaping is tried first each time
             now[0] = child.restart_at
             supervisor.supervise_once()
