@@ -11,12 +11,17 @@ children on the one metrics port (each sample labelled ``process``), answers
 ``/readyz`` for all of them (ready when every child is), and passes SIGTERM,
 SIGINT and SIGHUP on (each child drains, or reloads, on its own).
 
-It supervises: every half second it asks every serving child's ``/livez``, ``/readyz``
-and ``/metrics`` at once, each answer due within a second; the supervisor's own
-``/readyz`` and ``/metrics`` answer from the latest round (its admin endpoint has one
-thread: asking the children there would make its ``/livez`` wait behind them). A child
-that exits is started again. A child whose ``/livez`` fails is killed with SIGKILL (a
-stopped process cannot act on SIGTERM) and started again: after ``UNRESPONSIVE_POLLS``
+It supervises: every half second it asks every serving child's ``/livez`` and
+``/readyz`` at once, each answer due within a second (an absolute deadline; a request
+still running from an earlier round is not asked again: it counts as no answer). A
+child's ``/metrics`` (rendering it costs the child CPU) is asked only every
+``_METRICS_EVERY_S``, by a thread of its own, never counted toward liveness. The
+supervisor's own ``/readyz`` and ``/metrics`` answer from the latest answers (its admin
+endpoint has one thread: asking the children there would make its ``/livez`` wait
+behind them). A child that exits is started again. A child whose ``/livez`` fails is
+killed with SIGKILL (a stopped process cannot act on SIGTERM) and started again once
+it has exited (one in uninterruptible sleep dies only when its I/O completes: no round
+waits for that, and no second process of it starts meanwhile): after ``UNRESPONSIVE_POLLS``
 failures in a row spanning ``UNRESPONSIVE_S`` if it certainly does not work (its
 process is stopped or traced, or it answers 503: its serving loop has not turned for
 30 s), or spanning ``UNANSWERED_S`` if it only does not answer while its process runs
@@ -47,8 +52,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -99,7 +102,16 @@ start-up wait within about 2 s, then deregisters) before SIGKILL."""
 _STOP_TIMEOUT_S = 10.0
 _POLL_EVERY_S = 0.5  # a supervision round
 _POLL_TIMEOUT_S = 1.0  # a child's answer is due within this, or counts as none
-_PATHS = ("/livez", "/readyz", "/metrics")  # asked of every serving child each round
+_PATHS = ("/livez", "/readyz")  # asked of every serving child each round: cheap
+_METRICS_EVERY_S = 5.0
+"""The children's ``/metrics`` are asked this often (on a thread of their own), not each
+round: rendering them costs each child about 1.4 ms of CPU (its GIL) a time."""
+METRICS_BOUND_S = 2 * _METRICS_EVERY_S + 2.0
+"""A child's metrics older than this (two refreshes missed) are not served: it reads as
+not ready."""
+_KILL_WAIT_S = 0.5
+"""How long a round waits for a child it has just killed to exit; one that has not (in
+uninterruptible sleep: a hung fsync) is looked at again each round, never waited for."""
 NO_ANSWER = 0
 """The status of a request a child did not answer in HTTP (a timeout, a refused or
 closed connection, a garbage answer)."""
@@ -116,8 +128,8 @@ the GIL in a stuck call; the child's own liveness tolerates a 30 s stall of its 
 loop, and half that replaces a process stuck for good well before a pod's liveness
 probe (3 failures 10 s apart by default) would restart the whole pod."""
 ANSWER_BOUND_S = 5.0
-"""The supervisor's ``/readyz`` and ``/metrics`` use a child's answers from the latest
-round no older than this (a round takes at most ~2 s: 0.5 s, then answers due within
+"""The supervisor's ``/readyz`` uses a child's answers from the latest round no older
+than this (a round takes at most ~2 s: 0.5 s, then answers due within
 1.25 s); older ones count as no answer."""
 LIVE_BOUND_S = 10.0
 """The supervisor's ``/livez`` fails when no supervision round completed for this long."""
@@ -129,8 +141,8 @@ _STOPPED_STATES = frozenset("Tt")  # /proc/<pid>/stat: stopped by a signal, or b
 # A child that did not start, by its exit code: what the supervisor raises (and so how
 # it exits). Anything else (1: a bug; killed by a signal) is "try again", not "starting
 # could repeat ids": nothing says it could.
+# An exit 0 is a stop only when the supervisor was asked to stop (see start_failure).
 _EXITED_AS: dict[int, type[Exception]] = {
-    ExitCode.STOPPED: StartupInterrupted,
     ExitCode.CONFIGURATION: ConfigurationError,
     ExitCode.UNSAFE: StartupRefused,
     ExitCode.TRY_AGAIN: StartupDeferred,
@@ -159,12 +171,19 @@ def start_limit_s(settings: ServerSettings) -> float | None:
     return limit
 
 
-def start_failure(code: int | None, *, timed_out: bool = False) -> type[Exception]:
+def start_failure(
+    code: int | None, *, timed_out: bool = False, stopping: bool = False
+) -> type[Exception]:
     """What the supervisor raises (so how it exits) for a process that did not start:
-    as the process exited if that was a considered answer (0 stopped, 2 configuration,
-    3 unsafe, 75 try again); "try again" for a bug, a kill, or no start in time."""
+    as the process exited if that was a considered answer (2 configuration, 3 unsafe,
+    75 try again; 0 stopped, if the supervisor is ``stopping`` too); "try again" for a
+    bug, a kill, no start in time, or an exit 0 the supervisor did not ask for (a stray
+    SIGTERM to the process: exiting 0 would leave systemd's Restart=on-failure idle)."""
     if timed_out or code is None:
         return StartupDeferred
+    if code in (ExitCode.STOPPED, -signal.SIGTERM):
+        # -SIGTERM: ours, before the process could act on it (it had just started).
+        return StartupInterrupted if stopping else StartupDeferred
     return _EXITED_AS.get(code, StartupDeferred)
 
 
@@ -241,6 +260,7 @@ class _Child:
         self.metrics = ""  # host:port of its admin endpoint, once it printed its ready line
         # Its answers of the latest round, by path; replaced whole (read on another thread).
         self.answers: dict[str, Answer] = {}
+        self.scraped: Answer | None = None  # its /metrics, as the metrics thread last had it
         self.restarts = 0
         self.started_at = 0.0  # the supervisor's clock
         self.terminated_at: float | None = None  # SIGTERM sent: it did not start in time
@@ -248,7 +268,11 @@ class _Child:
         self.failed_polls = 0
         self.failing_since: float | None = None
         self.restart_at: float | None = None
+        self.killed_at: float | None = None  # SIGKILL sent; it has not exited yet
+        self.killed_delay = 0.0  # its restart's delay, counted once it has exited
         self.delay_s = _BACKOFF_FIRST_S
+        # The request still running for each path (at most one: see poll_children).
+        self.asking: dict[str, concurrent.futures.Future[tuple[int, str]]] = {}
         self.why_down = ""
         self._spawned = 0.0  # time.monotonic(): the start limit of the first start
         self._reader: threading.Thread | None = None
@@ -256,7 +280,13 @@ class _Child:
     def spawn(self, now: float = 0.0) -> None:
         """Start the process; its ready line is read by a thread of its own (so that the
         supervision of the others goes on meanwhile). Raises ``OSError`` if it cannot
-        be started (out of memory or processes)."""
+        be started (out of memory or processes), ``RuntimeError`` while its previous
+        process has not been reaped (two of one worker id must never run: and the old
+        one would be lost to ``_stop_children``)."""
+        if self.process is not None:
+            raise RuntimeError(
+                f"process {self.index} (pid {self.process.pid}) has not been reaped yet"
+            )
         command = [sys.executable, "-m", "snowflake_server", *child_argv(self.settings)]
         # The child asks the kernel to end it with us (see die_with_supervisor); only
         # the supervisor talks to systemd.
@@ -267,6 +297,7 @@ class _Child:
         )
         self.metrics = ""
         self.answers = {}
+        self.scraped = None
         self.serving_since = None
         self.terminated_at = None
         self.failed_polls, self.failing_since = 0, None
@@ -292,11 +323,14 @@ class _Child:
                     self.metrics = "{}:{}".format(*ready.metrics)
                 return
 
-    def wait_ready(self, limit: float | None = None) -> None:
+    def wait_ready(
+        self, limit: float | None = None, stopping: threading.Event | None = None
+    ) -> None:
         """Wait for the ready line of the process just spawned, at most ``limit``
         seconds from its spawn (None: ``start_limit``). If it exits first, raise as
-        :func:`start_failure` says; if it is not ready in time, stop it (SIGTERM, then
-        SIGKILL after a grace) and raise ``StartupDeferred``."""
+        :func:`start_failure` says (``stopping``: set when the supervisor was asked to
+        stop); if it is not ready in time, stop it (SIGTERM, then SIGKILL after a
+        grace) and raise ``StartupDeferred``."""
         assert self.process is not None and self._reader is not None
         limit = self.start_limit if limit is None else limit
         left = None if limit is None else max(0.0, self._spawned + limit - time.monotonic())
@@ -308,10 +342,17 @@ class _Child:
             self.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(_TERM_GRACE_S)
-        code = self.reap()
+        code: int | None = None
+        try:
+            code = self.reap(_TERM_GRACE_S)
+        except subprocess.TimeoutExpired:  # killed, not dead (a hung fsync): try again
+            log.error("process %d did not exit within %g s of SIGKILL", self.index,
+                      _TERM_GRACE_S)  # fmt: skip
         # The supervisor exits as its child did: a bad setting is not a danger, a
         # stop is not a failure (see ExitCode).
-        error = start_failure(code, timed_out=timed_out)
+        error = start_failure(
+            code, timed_out=timed_out, stopping=stopping is not None and stopping.is_set()
+        )
         why = f"not ready within {limit:g} s: stopped" if timed_out else "did not start"
         raise error(
             f"process {self.index} (worker {self.settings.worker_id}) {why} "
@@ -331,17 +372,29 @@ class _Child:
         process = self.process
         return process is not None and process.poll() is None
 
-    def reap(self) -> int | None:
-        """Kill what is left of the process (its whole group: it may have threads, and
-        SIGKILL because a stopped process cannot act on SIGTERM), wait for it, and close
-        its pipe; its exit code."""
+    def kill(self) -> None:
+        """SIGKILL what is left of the process: its whole group (it may have threads),
+        and SIGKILL because a stopped process cannot act on SIGTERM. It is asked
+        nothing more. It may live on a while: in uninterruptible sleep (a hung fsync
+        on a network volume) it dies when that I/O completes."""
+        process = self.process
+        self.metrics = ""
+        self.answers = {}
+        self.scraped = None
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+    def reap(self, timeout: float | None = None) -> int | None:
+        """Kill what is left of the process (see :meth:`kill`), wait for it at most
+        ``timeout`` seconds (None: as long as it takes), and close its pipe; its exit
+        code. Raises ``subprocess.TimeoutExpired`` if it has not exited by then (it is
+        kept, to be reaped later)."""
         process = self.process
         if process is None:
             return None
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-        code = process.wait()
+        self.kill()
+        code = process.wait(timeout)
         if self._reader is not None:
             self._reader.join(1.0)  # the pipe's end came with the process's
         if process.stdout is not None:
@@ -355,11 +408,8 @@ class _Child:
     def get(self, path: str, timeout: float = _POLL_TIMEOUT_S) -> tuple[int, str]:
         """``path`` of its admin endpoint: the status and body, or ``NO_ANSWER`` and
         why. Never raises for what the child (or its death) may cause."""
-        url = f"http://{self.metrics}{path}"
         try:
-            return _fetch(url, timeout)
-        except urllib.error.URLError as e:  # what a connect's failure is wrapped in
-            return NO_ANSWER, _NO_ANSWER if isinstance(e.reason, TimeoutError) else str(e.reason)
+            return _fetch(self.metrics, path, timeout)
         except TimeoutError:
             return NO_ANSWER, _NO_ANSWER
         except (OSError, http.client.HTTPException) as e:
@@ -368,16 +418,48 @@ class _Child:
             return NO_ANSWER, f"no answer ({type(e).__name__}: {e})"
 
 
-def _fetch(url: str, timeout: float) -> tuple[int, str]:
+def _fetch(address: str, path: str, timeout: float) -> tuple[int, str]:
+    """GET ``path`` of ``address`` (host:port): its status and body, all of it within
+    ``timeout`` seconds or ``TimeoutError``. A socket's timeout bounds each read, not
+    the request: an answer dripping a byte at a time held a thread for ever (and
+    starved the requests of the healthy children of threads)."""
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        return remaining
+
+    host, _, port = address.rpartition(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, response.read().decode(errors="replace")
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.read().decode(errors="replace")
+        connection.connect()
+        sock = connection.sock
+        assert sock is not None
+        sock.settimeout(left())
+        connection.request("GET", path)
+        sock.settimeout(left())  # the status line and headers: a few hundred bytes
+        response = connection.getresponse()
+        chunks: list[bytes] = []
+        while True:
+            sock.settimeout(left())
+            chunk = response.read1(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        # http.client checks the body against Content-Length only when read whole.
+        if response.length:
+            raise http.client.IncompleteRead(b"".join(chunks), response.length)
+        return response.status, b"".join(chunks).decode(errors="replace")
+    finally:
+        connection.close()
 
 
 _NO_ANSWER = f"did not answer within {_POLL_TIMEOUT_S:g} s"
+
+
+_STILL_ASKING = f"did not answer within {_POLL_TIMEOUT_S:g} s (still asking)"
 
 
 def poll_children(
@@ -385,20 +467,29 @@ def poll_children(
 ) -> dict[int, dict[str, tuple[int, str]]]:
     """Ask each child with an admin address for each of ``paths``, all at once; the
     answers by child index and path, one not had within the deadline as
-    ``(NO_ANSWER, "did not answer ...")``. Returns within about ``_POLL_TIMEOUT_S``."""
+    ``(NO_ANSWER, "did not answer ...")``. Returns within about ``_POLL_TIMEOUT_S``.
+
+    A path whose request from an earlier call still runs is not asked again (it counts
+    as no answer now): so each child holds at most one thread per path, and a child
+    answering slowly cannot take the threads the others' requests need."""
     asking = [child for child in children if child.metrics]
     if not asking:
         return {}
     own = pool is None
     executor = pool or ThreadPoolExecutor(len(asking) * len(paths), thread_name_prefix="poll")
     try:
-        futures = {
-            executor.submit(child.get, path): (child.index, path)
-            for child in asking
-            for path in paths
-        }
-        done, _ = concurrent.futures.wait(futures, timeout=_POLL_TIMEOUT_S + 0.25)
         answers: dict[int, dict[str, tuple[int, str]]] = {}
+        futures: dict[concurrent.futures.Future[tuple[int, str]], tuple[int, str]] = {}
+        for child in asking:
+            for path in paths:
+                running = child.asking.get(path)
+                if running is not None and not running.done():
+                    answers.setdefault(child.index, {})[path] = (NO_ANSWER, _STILL_ASKING)
+                    continue
+                future = executor.submit(child.get, path)
+                child.asking[path] = future
+                futures[future] = (child.index, path)
+        done, _ = concurrent.futures.wait(futures, timeout=_POLL_TIMEOUT_S + 0.25)
         for future, (index, path) in futures.items():
             answer = (NO_ANSWER, _NO_ANSWER)
             if future in done:
@@ -411,16 +502,17 @@ def poll_children(
             executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _fresh(answer: Answer | None, now: float) -> Answer | None:
-    """``answer`` if it is no older than ``ANSWER_BOUND_S``."""
-    if answer is None or now - answer[2] > ANSWER_BOUND_S:
+def _fresh(answer: Answer | None, now: float, bound: float = ANSWER_BOUND_S) -> Answer | None:
+    """``answer`` if it is no older than ``bound``."""
+    if answer is None or now - answer[2] > bound:
         return None
     return answer
 
 
 class _ChildrenMetrics(Collector):
-    """Every child's metrics, each sample labelled with its process index: from the
-    latest supervision round (never asked here, on the admin endpoint's one thread)."""
+    """Every child's metrics, each sample labelled with its process index: as last
+    asked by the supervisor's metrics thread (never asked here, on the admin endpoint's
+    one thread, which answers ``/livez`` too)."""
 
     def __init__(self, children: list[_Child], clock: Callable[[], float]) -> None:
         self._children = children
@@ -430,7 +522,7 @@ class _ChildrenMetrics(Collector):
         merged: dict[str, Metric] = {}
         now = self._clock()
         for child in list(self._children):
-            answer = _fresh(child.answers.get("/metrics"), now)
+            answer = _fresh(child.scraped, now, METRICS_BOUND_S)
             if answer is None or answer[0] != 200:
                 # A child that cannot be scraped (dead, restarting) cannot serve either:
                 # say so, rather than let its series vanish.
@@ -483,6 +575,7 @@ class Supervisor(Collector):
         self.restarts = dict.fromkeys(RESTART_REASONS, 0)
         self._last_round: float | None = None  # the clock when a round last completed
         self._watch_pool: ThreadPoolExecutor | None = None
+        self._metrics_pool: ThreadPoolExecutor | None = None
 
     def _child_settings(self, index: int, port: int, http_port: int) -> ServerSettings:
         settings = self._settings
@@ -506,11 +599,16 @@ class Supervisor(Collector):
         # before anything starts.
         check_open_files(settings.thrift.max_connections)
         # Threads started now, not when a poll needs one (a host out of threads must not
-        # read as children not answering). Two per request of a round: a stuck one may
-        # still hold one.
-        self._watch_pool = started_threads(2 * len(_PATHS) * settings.processes, "supervise")
+        # read as children not answering). One per request of a round: a request still
+        # running is not asked again (see poll_children). The metrics have their own:
+        # however slow they are, the rounds are not.
+        self._watch_pool = started_threads(len(_PATHS) * settings.processes, "supervise")
         try:
-            return self._run()
+            self._metrics_pool = started_threads(settings.processes, "scrape")
+            try:
+                return self._run()
+            finally:
+                self._metrics_pool.shutdown(wait=False, cancel_futures=True)
         finally:
             self._watch_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -542,8 +640,12 @@ class Supervisor(Collector):
                     child.spawn(self._clock())
                 except OSError as e:  # out of memory or processes: nothing is unsafe
                     raise StartupDeferred(f"cannot start process {index}: {e}") from None
+                if self._stop.is_set():
+                    # The stop came between the check above and the spawn: the signal
+                    # thread's SIGTERMs may have missed this one.
+                    child.terminate()
             for child in self._children:
-                child.wait_ready()
+                child.wait_ready(stopping=self._stop)
             if self._stop.is_set():
                 raise StartupInterrupted("asked to stop while the processes were starting")
             registry = CollectorRegistry(auto_describe=False)
@@ -561,6 +663,8 @@ class Supervisor(Collector):
                 holder.close()
         # Answers before the first /readyz: "ready" is said once the children are asked.
         self._poll(self._clock())
+        self.scrape_children()
+        threading.Thread(target=self._scrape, name="scrape", daemon=True).start()
         admin.start()
         self._readiness.serving()
         self._serving.set()
@@ -630,6 +734,24 @@ class Supervisor(Collector):
                 with contextlib.suppress(ProcessLookupError):
                     process.send_signal(signum)
 
+    def _scrape(self) -> None:
+        while not self._stop.wait(_METRICS_EVERY_S):
+            try:
+                self.scrape_children()
+            except Exception:  # a bug: the next one may work, and supervision goes on
+                log.exception("asking the processes for their metrics failed")
+
+    def scrape_children(self) -> None:
+        """Ask every serving child for its ``/metrics`` (all at once, each due within
+        ``_POLL_TIMEOUT_S``) and keep the answers for the supervisor's ``/metrics``.
+        Never counted toward a child's liveness."""
+        now = self._clock()
+        answers = poll_children(self._children, ("/metrics",), self._metrics_pool)
+        for child in self._children:
+            answer = answers.get(child.index, {}).get("/metrics")
+            if answer is not None and child.metrics:
+                child.scraped = (*answer, now)
+
     def _watch(self) -> None:
         self._last_round = self._clock()
         while not self._stop.wait(_POLL_EVERY_S):
@@ -678,8 +800,18 @@ class Supervisor(Collector):
             child.delay_s = min(2 * child.delay_s, _BACKOFF_MAX_S)
 
     def _supervise(self, child: _Child, answer: tuple[int, str] | None, now: float) -> None:
+        if child.killed_at is not None:
+            self._reap_killed(child, now)
+            return
         if child.restart_at is not None:
             if now >= child.restart_at:
+                if child.process is not None:
+                    # Its reaping failed (see _failed): reap it first, never a second
+                    # process beside it (nor one _stop_children would not know of).
+                    try:
+                        child.reap(0)
+                    except subprocess.TimeoutExpired:
+                        return  # killed, not yet gone: the next round looks again
                 child.restart_at = None
                 log.info("starting process %d (worker %s) again", child.index,
                          child.settings.worker_id)  # fmt: skip
@@ -734,20 +866,50 @@ class Supervisor(Collector):
             )  # fmt: skip
 
     def _down(self, child: _Child, reason: str, why: str, now: float) -> None:
+        """Kill ``child`` and restart it after its delay, counted from its exit: one that
+        does not exit at once (in uninterruptible sleep) is looked at each round."""
         process = child.process
         pid = process.pid if process is not None else None
-        child.reap()
         self.restarts[reason] += 1
         child.restarts += 1
         if child.serving_since is not None and now - child.serving_since >= _BACKOFF_RESET_S:
             child.delay_s = _BACKOFF_FIRST_S
         delay = child.delay_s
         child.delay_s = min(2 * delay, _BACKOFF_MAX_S)
-        child.restart_at = now + delay
         child.serving_since = None
+        try:
+            child.reap(_KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            child.killed_at, child.killed_delay = now, delay
+            child.why_down = f"{why}; killed, waiting for it to exit"
+            log.error("process %d (worker %s, pid %s) %s: it has not exited yet; restarting "
+                      "it %g s after it has", child.index, child.settings.worker_id, pid,
+                      why, delay)  # fmt: skip
+            return
+        child.restart_at = now + delay
         child.why_down = f"{why}; restarting in {delay:g} s"
         log.error("process %d (worker %s, pid %s) %s: restarting it in %g s",
                   child.index, child.settings.worker_id, pid, why, delay)  # fmt: skip
+
+    def _reap_killed(self, child: _Child, now: float) -> None:
+        """One look at a killed child that had not exited: reaped if it has, its restart
+        scheduled then."""
+        assert child.killed_at is not None
+        try:
+            child.reap(0)
+        except subprocess.TimeoutExpired:
+            process = child.process
+            if process is not None:
+                child.why_down = (
+                    f"killed {now - child.killed_at:.1f} s ago, not exited yet "
+                    f"(state {_process_state(process.pid) or '?'})"
+                )
+            return
+        log.info("process %d exited %.1f s after SIGKILL: restarting it in %g s",
+                 child.index, now - child.killed_at, child.killed_delay)  # fmt: skip
+        child.killed_at = None
+        child.restart_at = now + child.killed_delay
+        child.why_down = f"killed; restarting in {child.killed_delay:g} s"
 
     def _stop_children(self) -> int:
         code = 0
@@ -762,7 +924,11 @@ class Supervisor(Collector):
                     code = 1
             except subprocess.TimeoutExpired:
                 code = 1
-            child.reap()
+            try:
+                child.reap(_KILL_WAIT_S)
+            except subprocess.TimeoutExpired:  # killed; it dies when its I/O completes
+                log.error("process %d (pid %d) did not exit on SIGKILL", child.index,
+                          process.pid)  # fmt: skip
         return code
 
     def _ready(self) -> tuple[str | None, dict[str, object]]:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -28,6 +29,7 @@ from snowflake_server._app.supervisor import (
     _TERM_GRACE_S,
     ANSWER_BOUND_S,
     LIVE_BOUND_S,
+    METRICS_BOUND_S,
     NO_ANSWER,
     SUPERVISOR_PID_ENV,
     UNANSWERED_S,
@@ -36,6 +38,7 @@ from snowflake_server._app.supervisor import (
     Supervisor,
     _Child,
     _ChildrenMetrics,
+    _fetch,
     child_argv,
     origin_from_supervisor,
     start_failure,
@@ -48,6 +51,7 @@ from snowflake_server._errors import (
     StartupInterrupted,
     StartupRefused,
 )
+from snowflake_server._thrift.server import started_threads
 from tests.support.endpoints import free_port, unique_scope
 from tests.support.processes import (
     Load,
@@ -125,14 +129,14 @@ def test_a_child_that_cannot_be_scraped_reads_as_not_ready() -> None:
     child = start_server("--worker-id", "3")
     try:
         alive.metrics = f"127.0.0.1:{child.metrics_port}"
-        supervisor._poll(now[0])  # a round's answers
+        supervisor.scrape_children()  # as the metrics thread does
     finally:
         child.stop()
     collector = _ChildrenMetrics([alive, dead], lambda: now[0])
     families = {f.name: f for f in collector.collect()}
     ready = {s.labels["process"]: s.value for s in families["snowflake_ready"].samples}
     assert ready == {"0": 1, "1": 0}
-    now[0] += ANSWER_BOUND_S + 0.1  # no round since: its answers are too old to tell
+    now[0] += METRICS_BOUND_S + 0.1  # not asked since: its answers are too old to tell
     families = {f.name: f for f in collector.collect()}
     ready = {s.labels["process"]: s.value for s in families["snowflake_ready"].samples}
     assert ready == {"0": 0, "1": 0}
@@ -371,12 +375,13 @@ def test_the_start_limit_covers_every_start_up_wait() -> None:
 @pytest.mark.parametrize(
     ("code", "timed_out", "raised"),
     [
-        (0, False, StartupInterrupted),  # stopped while starting
+        (0, False, StartupDeferred),  # exited 0 unasked (a stray SIGTERM): try again
         (2, False, ConfigurationError),
         (3, False, StartupRefused),  # the only "starting could repeat ids"
         (75, False, StartupDeferred),
         (1, False, StartupDeferred),  # a bug: try again, not "an operator must act"
         (-9, False, StartupDeferred),  # killed (the OOM killer)
+        (-15, False, StartupDeferred),  # a stray SIGTERM before it could act on it
         (None, False, StartupDeferred),
         (0, True, StartupDeferred),  # stopped by us: it did not start in time
     ],
@@ -385,6 +390,9 @@ def test_a_process_that_did_not_start_ends_the_supervisor_as_it_said(
     code: int | None, timed_out: bool, raised: type[Exception]
 ) -> None:
     assert start_failure(code, timed_out=timed_out) is raised
+    # Asked to stop: its exit 0, or its end by our SIGTERM, is the stop.
+    stopping = StartupInterrupted if code in (0, -15) and not timed_out else raised
+    assert start_failure(code, timed_out=timed_out, stopping=True) is stopping
 
 
 def slow_starter(tmp_path: Path) -> ServerSettings:
@@ -690,3 +698,286 @@ def test_a_process_is_killed_fast_only_when_it_certainly_does_not_work(
 
 def alive_state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+# -- second review: kills that do not take, scrapes off the rounds, dripping answers --
+
+
+class Withheld(subprocess.Popen[str]):
+    """A real process (``sleep``) whose handle withholds its exit, as the kernel does
+    for a process in uninterruptible sleep (a hung fsync on a network volume: SIGKILL
+    takes effect when the I/O completes). It stands for the OS, not for a server:
+    nothing else can keep a killed process from dying on demand. ``withhold``:
+    "stuck" (poll says running, wait times out) or "broken" (wait raises), until None."""
+
+    def __init__(self) -> None:
+        super().__init__(["sleep", "60"], stdout=subprocess.PIPE, text=True, process_group=0)
+        self.withhold: str | None = None
+
+    def poll(self) -> int | None:
+        return None if self.withhold == "stuck" else super().poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.withhold == "broken":
+            raise ChildProcessError("waitpid failed")
+        if self.withhold == "stuck":
+            if timeout is None:
+                raise AssertionError("waited for a killed process with no timeout")
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return super().wait(timeout)
+
+
+def supervised_one() -> tuple[Supervisor, _Child, list[float]]:
+    settings = load_settings(["--worker-id", "3"], {})
+    now = [100.0]
+    supervisor = Supervisor(settings, clock=lambda: now[0])
+    supervisor._readiness.serving()
+    child = _Child(0, settings, configured_origin(settings))
+    supervisor._children.append(child)
+    return supervisor, child, now
+
+
+def test_a_killed_process_that_has_not_exited_blocks_no_round_and_gets_no_twin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    supervisor, child, now = supervised_one()
+    process = Withheld()
+    child.process, child.metrics, child.started_at = process, "127.0.0.1:1", now[0]
+    # A restart runs `true`, which ignores its arguments: a stand-in that starts.
+    monkeypatch.setattr(sys, "executable", shutil.which("true"))
+    wedged = (503, '{"reason": "the serving loop has not turned for 31 s"}')
+    try:
+        process.withhold = "stuck"
+        while now[0] <= 100.0 + UNRESPONSIVE_S:
+            supervisor._supervise(child, wedged, now[0])
+            now[0] += 0.5
+        assert supervisor.restarts["unresponsive"] == 1, "killed"
+        assert os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT) is not None
+        for _ in range(10):  # 5 s of rounds, well past its restart delay
+            now[0] += 0.5
+            supervisor.supervise_once()
+            assert child.process is process, "a second process while the first lives"
+        assert supervisor.live() is None, "the rounds go on"
+        why, _ = supervisor._ready()
+        assert why is not None and "not exited yet" in why
+        process.withhold = None  # its I/O completed: it dies
+        now[0] += 0.5
+        supervisor.supervise_once()
+        assert child.process is None and process.returncode == -signal.SIGKILL
+        assert child.restart_at == now[0] + 0.5, "restarted its delay after it exited"
+        now[0] += 0.5
+        supervisor.supervise_once()
+        assert child.process is not None and child.process is not process, "restarted"
+    finally:
+        process.withhold = None
+        child.reap()
+        process.kill()
+        process.wait()
+
+
+def test_a_process_whose_reaping_failed_is_reaped_before_it_is_restarted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    supervisor, child, now = supervised_one()
+    process = Withheld()
+    child.process, child.started_at = process, now[0]
+    monkeypatch.setattr(sys, "executable", shutil.which("true"))
+    try:
+        process.withhold = "broken"
+        os.kill(process.pid, signal.SIGKILL)  # it exits; reaping it fails
+        os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+        supervisor.supervise_once()
+        assert child.restart_at is not None, "down, to be retried"
+        for _ in range(4):  # past its restart delays: reaping is tried first each time
+            now[0] = child.restart_at
+            supervisor.supervise_once()
+            assert child.process is process, "the unreaped process was replaced (orphaned)"
+        process.withhold = None
+        now[0] = child.restart_at
+        supervisor.supervise_once()
+        assert process.returncode == -signal.SIGKILL
+        assert child.process is not None and child.process is not process, "restarted"
+    finally:
+        process.withhold = None
+        child.reap()
+        process.kill()
+        process.wait()
+
+
+class OneThreadAdmin:
+    """An admin port served one request at a time on one thread, as a child's is (its
+    event loop): rendering ``/metrics`` there takes ``render_s``, and whatever asks
+    meanwhile (``/livez``) waits behind it. Records the paths asked."""
+
+    def __init__(self, render_s: float) -> None:
+        self._render = threading.Event()
+        self._render_s = render_s
+        self.asked: list[str] = []
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self._sock.accept()
+            except OSError:
+                return
+            with connection:
+                path = connection.recv(4096).split(b" ")[1].decode()
+                self.asked.append(path)
+                if path == "/metrics":
+                    self._render.wait(self._render_s)  # the CPU the render takes
+                with contextlib.suppress(OSError):
+                    connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def test_the_rounds_ask_no_metrics_so_a_slow_render_never_fails_a_livez() -> None:
+    supervisor, child, now = supervised_one()
+    admin = OneThreadAdmin(render_s=2.0)
+    child.process, child.metrics = sleeper(), admin.address
+    try:
+        for _ in range(3):
+            answers = supervisor._poll(now[0])
+            assert answers[0]["/livez"][0] == 200, answers
+            now[0] += 0.5
+        assert "/metrics" not in admin.asked
+        supervisor.scrape_children()  # the metrics, asked apart from the rounds
+        assert child.scraped is not None and child.scraped[0] == NO_ANSWER
+    finally:
+        admin.close()
+        child.reap()
+
+
+class DrippingAdmin:
+    """An admin port that answers every request slowly, a byte every 0.1 s for 10 s
+    (each read is quick; the answer is not), on a thread per connection; counts the
+    requests open at once, by path."""
+
+    def __init__(self) -> None:
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self.open: dict[str, int] = {}
+        self.most: dict[str, int] = {}
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+
+    def _answer(self, connection: socket.socket) -> None:
+        with connection:
+            path = connection.recv(4096).split(b" ")[1].decode()
+            with self._lock:
+                self.open[path] = self.open.get(path, 0) + 1
+                self.most[path] = max(self.most.get(path, 0), self.open[path])
+            try:
+                connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\n")
+                for _ in range(100):
+                    # The drip's pace; the client's close (readable: its end) ends it.
+                    readable, _, _ = select.select([connection], [], [], 0.1)
+                    if readable or self._closed.is_set():
+                        return
+                    connection.sendall(b"x")
+            except OSError:
+                return
+            finally:
+                with self._lock:
+                    self.open[path] -= 1
+
+    def close(self) -> None:
+        self._closed.set()
+        self._sock.close()
+
+
+def test_a_dripping_answer_is_cut_at_its_deadline_and_never_asked_twice_at_once() -> None:
+    settings = load_settings(["--worker-id", "3"], {})
+    origin = configured_origin(settings)
+    drip = DrippingAdmin()
+    took = time.monotonic()
+    with pytest.raises(TimeoutError):
+        _fetch(drip.address, "/livez", 1.0)
+    took = time.monotonic() - took
+    assert took < 1.5, f"a 1 s request took {took:.1f} s: the deadline is per read"
+    now = [100.0]
+    supervisor = Supervisor(settings, clock=lambda: now[0])
+    slow, healthy = _Child(0, settings, origin), _Child(1, settings, origin)
+    supervisor._children[:] = [slow, healthy]
+    good = start_server("--worker-id", "4")
+    slow.process, slow.metrics = sleeper(), drip.address
+    healthy.process, healthy.metrics = sleeper(), f"127.0.0.1:{good.metrics_port}"
+    supervisor._watch_pool = started_threads(2 * 2, "supervise")  # as run()'s for two
+    try:
+        for _ in range(4):
+            started = time.monotonic()
+            answers = supervisor._poll(now[0])
+            assert time.monotonic() - started < 2.0
+            assert answers[1]["/livez"][0] == 200, "the healthy child answers every round"
+            assert answers[0]["/livez"][0] == NO_ANSWER
+            now[0] += 0.5
+        assert max(drip.most.values()) == 1, f"requests open at once: {drip.most}"
+    finally:
+        supervisor._watch_pool.shutdown(wait=False, cancel_futures=True)
+        drip.close()
+        good.stop()
+        slow.reap()
+        healthy.reap()
+
+
+def test_a_process_that_exits_0_unasked_while_starting_is_try_again(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A stray SIGTERM to the process, not to the supervisor: exiting 0 would leave
+    systemd's Restart=on-failure idle with nothing serving."""
+    settings = slow_starter(tmp_path)
+    child = _Child(0, settings, configured_origin(settings))
+    err = Stderr(capfd)
+    child.spawn()
+    try:
+        wait_until(lambda: err.count("waiting --first-start-wait") == 1, "its first-start wait")
+        assert child.process is not None
+        child.process.send_signal(signal.SIGTERM)
+        with pytest.raises(StartupDeferred, match=r"did not start \(exit code 0\)"):
+            child.wait_ready(stopping=threading.Event())
+    finally:
+        child.reap()
+
+
+def test_a_stop_between_the_check_and_a_spawn_still_stops_that_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The signal thread acts between the spawn loop's look at the stop and the spawn:
+    its SIGTERMs find no process; the start then waited out the process's whole start."""
+    settings = load_settings(
+        ["--processes", "1", "--worker-id", "3", "--port", "0", "--metrics-port", "0",
+         "--first-start-wait", "20", "--state-dir", str(tmp_path / "state"),
+         "--host-lock-scope", unique_scope()],
+        {},
+    )  # fmt: skip
+    supervisor = Supervisor(settings)
+    spawn = _Child.spawn
+
+    def stopped_meanwhile(child: _Child, now: float = 0.0) -> None:
+        supervisor._on_stop("SIGTERM")  # as the signal thread would, just now
+        spawn(child, now)
+
+    monkeypatch.setattr(_Child, "spawn", stopped_meanwhile)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    started = time.monotonic()
+    try:
+        with pytest.raises(StartupInterrupted):
+            supervisor.run()
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    took = time.monotonic() - started
+    assert took < 10, f"stopped after {took:.1f} s: the process waited out its start"
