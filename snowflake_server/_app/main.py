@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from .._config.options import load_settings
 from .._errors import ConfigurationError, StartupDeferred, StartupInterrupted, StartupRefused
 from .._observability.logs import configure_logging
+from .child import die_with_supervisor, origin_from_supervisor
 from .exits import ExitCode
 from .node import serve
 from .node_id import resolve_worker_id
-from .supervisor import Supervisor, die_with_supervisor, origin_from_supervisor
+from .supervisor import Supervisor
 
 __all__ = ["main"]
 

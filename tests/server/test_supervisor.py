@@ -24,25 +24,27 @@ import pytest
 from snowflake_thrift_client._transports import open_client
 
 from snowflake_server import decompose, load_settings
-from snowflake_server._app.node_id import WorkerIdOrigin, configured_origin
-from snowflake_server._app.supervisor import (
-    _TERM_GRACE_S,
-    ANSWER_BOUND_S,
-    LIVE_BOUND_S,
-    METRICS_BOUND_S,
+from snowflake_server._app.child import (
     NO_ANSWER,
     SUPERVISOR_PID_ENV,
-    UNANSWERED_S,
-    UNRESPONSIVE_S,
+    TERM_GRACE_S,
     WORKER_ID_ORIGIN_ENV,
-    Supervisor,
-    _Child,
-    _ChildrenMetrics,
-    _fetch,
+    Child,
     child_argv,
+    fetch,
     origin_from_supervisor,
     start_failure,
     start_limit_s,
+)
+from snowflake_server._app.node_id import WorkerIdOrigin, configured_origin
+from snowflake_server._app.supervisor import (
+    ANSWER_BOUND_S,
+    LIVE_BOUND_S,
+    METRICS_BOUND_S,
+    UNANSWERED_S,
+    UNRESPONSIVE_S,
+    Supervisor,
+    _ChildrenMetrics,
 )
 from snowflake_server._config.settings import ServerSettings
 from snowflake_server._errors import (
@@ -123,7 +125,7 @@ def test_a_child_that_cannot_be_scraped_reads_as_not_ready() -> None:
     origin = configured_origin(settings)
     now = [100.0]
     supervisor = Supervisor(settings, clock=lambda: now[0])
-    alive, dead = _Child(0, settings, origin), _Child(1, settings, origin)
+    alive, dead = Child(0, settings, origin), Child(1, settings, origin)
     supervisor._children[:] = [alive, dead]
     dead.metrics = f"127.0.0.1:{free_port()}"  # nothing answers there
     child = start_server("--worker-id", "3")
@@ -422,7 +424,7 @@ def test_a_process_not_ready_in_time_is_stopped_with_sigterm(
     """Not SIGKILL (which leaves a cluster registration until its session expires),
     and "try again" (75), not "starting could repeat ids" (3)."""
     settings = slow_starter(tmp_path)
-    child = _Child(0, settings, configured_origin(settings))
+    child = Child(0, settings, configured_origin(settings))
     err = Stderr(capfd)
     child.spawn()
     try:
@@ -444,7 +446,7 @@ def test_a_restarted_process_not_ready_in_time_gets_sigterm_then_sigkill(
     now = [100.0]
     supervisor = Supervisor(settings, clock=lambda: now[0])
     supervisor._readiness.serving()
-    child = _Child(0, settings, configured_origin(settings))
+    child = Child(0, settings, configured_origin(settings))
     supervisor._children.append(child)
     limit = child.start_limit
     assert limit is not None
@@ -471,13 +473,13 @@ def test_a_restarted_process_not_ready_in_time_gets_sigterm_then_sigkill(
         os.kill(second.pid, signal.SIGSTOP)
         now[0] += limit + 0.1
         supervisor.supervise_once()
-        now[0] += _TERM_GRACE_S - 0.2
+        now[0] += TERM_GRACE_S - 0.2
         supervisor.supervise_once()
         assert second.poll() is None, "killed before its grace"
         now[0] += 0.2
         supervisor.supervise_once()
         assert second.returncode == -signal.SIGKILL
-        assert f"nor stop within {_TERM_GRACE_S:g} s: killed" in caplog.text
+        assert f"nor stop within {TERM_GRACE_S:g} s: killed" in caplog.text
         assert supervisor.restarts["exited"] == 2
     finally:
         child.reap()
@@ -527,7 +529,7 @@ def test_a_broken_answer_is_no_answer_not_the_end_of_supervision(answer: bytes) 
     now = [100.0]
     supervisor = Supervisor(settings, clock=lambda: now[0])
     supervisor._readiness.serving()
-    child = _Child(0, settings, configured_origin(settings))
+    child = Child(0, settings, configured_origin(settings))
     supervisor._children.append(child)
     admin = BrokenAdmin(answer)
     child.process, child.metrics = sleeper(), admin.address
@@ -549,7 +551,7 @@ def test_a_process_that_cannot_be_forked_is_down_and_retried_while_the_others_ru
     origin = configured_origin(settings)
     now = [100.0]
     supervisor = Supervisor(settings, clock=lambda: now[0])
-    failing, running = _Child(0, settings, origin), _Child(1, settings, origin)
+    failing, running = Child(0, settings, origin), Child(1, settings, origin)
     supervisor._children[:] = [failing, running]
     running.process, running.started_at = sleeper(), now[0]
     failing.restart_at = now[0]
@@ -572,7 +574,7 @@ def test_signalling_the_processes_while_one_is_reaped() -> None:
     """SIGHUP or SIGTERM (on the signal thread) while the main thread reaps a process."""
     settings = load_settings(["--worker-id", "3"], {})
     supervisor = Supervisor(settings)
-    child = _Child(0, settings, configured_origin(settings))
+    child = Child(0, settings, configured_origin(settings))
     supervisor._children.append(child)
 
     class ReapedMeanwhile(subprocess.Popen[str]):
@@ -648,7 +650,7 @@ def test_the_readiness_said_is_the_latest_rounds_and_a_stale_one_is_no_answer() 
     now = [100.0]
     supervisor = Supervisor(settings, clock=lambda: now[0])
     supervisor._readiness.serving()
-    child = _Child(0, settings, configured_origin(settings))
+    child = Child(0, settings, configured_origin(settings))
     supervisor._children.append(child)
     child.answers = {"/readyz": (200, "{}", now[0])}
     now[0] += 1.0
@@ -674,7 +676,7 @@ def test_a_process_is_killed_fast_only_when_it_certainly_does_not_work(
     settings = load_settings(["--worker-id", "3"], {})
     now = [100.0]
     supervisor = Supervisor(settings, clock=lambda: now[0])
-    child = _Child(0, settings, configured_origin(settings))
+    child = Child(0, settings, configured_origin(settings))
     child.process, child.metrics = sleeper(), "127.0.0.1:1"
     process = child.process
     if stopped:
@@ -727,12 +729,12 @@ class Withheld(subprocess.Popen[str]):
         return super().wait(timeout)
 
 
-def supervised_one() -> tuple[Supervisor, _Child, list[float]]:
+def supervised_one() -> tuple[Supervisor, Child, list[float]]:
     settings = load_settings(["--worker-id", "3"], {})
     now = [100.0]
     supervisor = Supervisor(settings, clock=lambda: now[0])
     supervisor._readiness.serving()
-    child = _Child(0, settings, configured_origin(settings))
+    child = Child(0, settings, configured_origin(settings))
     supervisor._children.append(child)
     return supervisor, child, now
 
@@ -905,12 +907,12 @@ def test_a_dripping_answer_is_cut_at_its_deadline_and_never_asked_twice_at_once(
     drip = DrippingAdmin()
     took = time.monotonic()
     with pytest.raises(TimeoutError):
-        _fetch(drip.address, "/livez", 1.0)
+        fetch(drip.address, "/livez", 1.0)
     took = time.monotonic() - took
     assert took < 1.5, f"a 1 s request took {took:.1f} s: the deadline is per read"
     now = [100.0]
     supervisor = Supervisor(settings, clock=lambda: now[0])
-    slow, healthy = _Child(0, settings, origin), _Child(1, settings, origin)
+    slow, healthy = Child(0, settings, origin), Child(1, settings, origin)
     supervisor._children[:] = [slow, healthy]
     good = start_server("--worker-id", "4")
     slow.process, slow.metrics = sleeper(), drip.address
@@ -939,7 +941,7 @@ def test_a_process_that_exits_0_unasked_while_starting_is_try_again(
     """A stray SIGTERM to the process, not to the supervisor: exiting 0 would leave
     systemd's Restart=on-failure idle with nothing serving."""
     settings = slow_starter(tmp_path)
-    child = _Child(0, settings, configured_origin(settings))
+    child = Child(0, settings, configured_origin(settings))
     err = Stderr(capfd)
     child.spawn()
     try:
@@ -964,13 +966,13 @@ def test_a_stop_between_the_check_and_a_spawn_still_stops_that_process(
         {},
     )  # fmt: skip
     supervisor = Supervisor(settings)
-    spawn = _Child.spawn
+    spawn = Child.spawn
 
-    def stopped_meanwhile(child: _Child, now: float = 0.0) -> None:
+    def stopped_meanwhile(child: Child, now: float = 0.0) -> None:
         supervisor._on_stop("SIGTERM")  # as the signal thread would, just now
         spawn(child, now)
 
-    monkeypatch.setattr(_Child, "spawn", stopped_meanwhile)
+    monkeypatch.setattr(Child, "spawn", stopped_meanwhile)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     started = time.monotonic()
     try:
