@@ -350,7 +350,7 @@ class Cluster(Collector):
             # changed meanwhile, and nothing looked at it since.
             self._check_layout()
         except BaseException:
-            self._close_unserved(worker)
+            worker.close()  # it handed out no id; a mark it cannot store is logged
             self._delete(node)
             raise
         self._node = node
@@ -509,13 +509,6 @@ class Cluster(Collector):
             log.warning("left the layout this node recorded in %s: %s", path, why)
         else:
             log.warning("deleted the layout this node recorded in %s", path)
-
-    def _close_unserved(self, worker: Worker) -> None:
-        """Close a worker opened but refused before serving (it handed out no id)."""
-        try:
-            worker.close()
-        except Exception as e:  # noqa: BLE001 - refusing already; its mark is stored ahead
-            log.warning("closing worker %d: %s: %s", worker.worker_id, type(e).__name__, e)
 
     def _marks_layouts(self) -> dict[Layout, list[str]]:
         """The layouts the marks under ``marks/`` were made with, and which marks; read
@@ -763,7 +756,11 @@ class Cluster(Collector):
             "one cluster hand out the same ids"
         )
         if self._layout_stop is None and self._node is not None:
-            log.error("stopped handing out ids: %s", reason)
+            log.error(
+                "stopped handing out ids: %s; if the record is wrong, write the cluster's "
+                "layout back (this node's: zkCli.sh set %s '%s')", reason, self._layout_path,
+                _layout_data(self._layout).decode(),
+            )  # fmt: skip
         self._layout_stop = reason
         self._slot.close(reason)
 
