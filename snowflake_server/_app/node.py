@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import AuthFailedError, KazooException, NoAuthError
+from kazoo.exceptions import KazooException, NoAuthError
 from kazoo.handlers.threading import KazooTimeoutError
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
@@ -155,7 +155,7 @@ def clustered(
             cluster.connect()
             cluster.check_peers()
             cluster.register()
-        except (NoAuthError, AuthFailedError) as e:
+        except NoAuthError as e:
             # Never passes by itself: not "try again" (75).
             raise ConfigurationError(
                 f"ZooKeeper refused this node during start-up: {describe_zk_error(e)}; give "

@@ -25,16 +25,19 @@ it (``StartupDeferred``, exit 75) in about that time.
 
 The layout znode is the cluster's layout, and it must be the layout of the
 marks (each mark records the layout its ids were made with). A node of another
-layout is refused at start, ``--skip-sanity-checks`` or not. A missing layout
-znode is recorded again from the marks (a node refuses to start if they
-disagree among themselves), and from the newcomer's layout only when there is
-no mark at all. Running nodes read it at each supervision tick, which needs no
-watch to survive reconnections and expired sessions: a deleted one is recorded
-again from the node's own layout; one that differs from the node's layout is
-written back (compare and set) if every mark agrees with the node's layout (the
-record is wrong: one bad write must not stop the cluster); otherwise the node,
-whose layout is not the cluster's, stops handing out ids (``/readyz`` says why)
-until the record is its layout again.
+layout is refused at start, ``--skip-sanity-checks`` or not, and again after its
+start-up waits, before it serves (the record may have changed meanwhile). A
+missing layout znode is recorded again from the marks (a node refuses to start
+if they disagree among themselves), and from the newcomer's layout only when
+there is no mark at all; such a node reads the marks again after its
+first-start wait and, if a node put back a mark of another layout meanwhile
+(ZooKeeper lost its data), deletes its record and refuses. Running nodes read
+the record at each supervision tick (one read, which needs no watch to survive
+reconnections and expired sessions): one that differs from the node's layout
+stops it handing out ids (``/readyz`` says why) until the record is its layout
+again; a deleted one is recorded again as the node last read it (its own
+layout, or for a stopped node the record that stopped it); one that cannot be
+read, or is not a layout, changes nothing (logged).
 
 A worker id without a mark in ZooKeeper is either new or was used before
 ZooKeeper lost its data, perhaps by a node whose clock is ahead of ours. So the
@@ -58,7 +61,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import BadVersionError, KazooException, NodeExistsError, NoNodeError
+from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -78,7 +81,7 @@ from .._observability.metrics import counter_by
 from .._state.reservation import MarkStore
 from .._state.statefile import layout_to_json
 from .._state.worker import Worker, WorkerSlot
-from .peers import check_peers, children
+from .peers import check_peers, children, numeric_order
 from .session import GrantedTimeout, watch_granted_timeout
 from .zkmarks import (
     ZK_MARK_AHEAD_MS,
@@ -130,12 +133,11 @@ def _parse_layout(path: str, data: bytes) -> Layout:
         ) from None
 
 
-class _ScanUnfinished(Exception):
-    """The high-water marks could not all be read in the time given: ``left`` unread."""
-
-    def __init__(self, left: int) -> None:
-        super().__init__(f"{left} high-water marks not read in time")
-        self.left = left
+def _unanswered(error: BaseException, bound_s: float) -> str:
+    """Why a ZooKeeper call given ``bound_s`` failed, in words."""
+    if isinstance(error, ZooKeeperSilent):
+        return f"ZooKeeper did not answer within {bound_s:g} s"
+    return describe_zk_error(error)
 
 
 class Cluster(Collector):
@@ -197,13 +199,12 @@ class Cluster(Collector):
         self._last_contact = float("-inf")
         # Why this node stopped handing out ids: its layout is not the recorded one.
         self._layout_stop: str | None = None
-        # The layout record this node read last (None: not a layout); see _keep_layout.
+        # The layout record this node read last (None: none yet); see _keep_layout.
         self._last_record: Layout | None = None
-        # The marks' layouts read so far, by datacenter: (its child version, its marks,
-        # the layout of each mark read; None: the mark names none); see _marks_layouts.
-        self._scan: dict[str, tuple[int, list[str], dict[str, Layout | None]]] = {}
-        self._scanned_for: int | None = None  # the layout record's mzxid the scan is for
-        self._layout_skips = 0  # ticks in a row whose layout check did not finish
+        # The layout this node recorded on an empty tree (no record, no mark), until the
+        # marks are read again after the first-start wait; see _confirm_lone_record.
+        self._recorded_alone = False
+        self._layout_problem: str | None = None  # why the record was not read, logged once
         self._events: Counter[str] = Counter()
         self._skipped: Counter[str] = Counter()
         self.registrations = 0
@@ -292,12 +293,21 @@ class Cluster(Collector):
 
     def _register(self, preferred: int | None, patient: bool) -> None:
         self._check_layout()
+        try:
+            self._register_checked(preferred, patient)
+        except BaseException:
+            if self._recorded_alone:  # not confirmed: leave the tree as it was found
+                self._unrecord_layout()
+            raise
+
+    def _register_checked(self, preferred: int | None, patient: bool) -> None:
         skipped: set[int] = set()
         while True:
             worker_id = self._lease(preferred, patient, skipped)
             node = f"{self._nodes}/{worker_id}"
             try:
                 store, waited = self._load_marks(worker_id, node)
+                self._confirm_lone_record()
                 worker = self._open_worker(worker_id, (store, ZK_MARK_AHEAD_MS), waited)
             except ClockBehindMark as e:
                 self._delete(node)
@@ -335,6 +345,14 @@ class Cluster(Collector):
                 self._delete(node)
                 raise
             break
+        try:
+            # The start-up waits (first start, clock) may be long: the record may have
+            # changed meanwhile, and nothing looked at it since.
+            self._check_layout()
+        except BaseException:
+            worker.close()  # it handed out no id; a mark it cannot store is logged
+            self._delete(node)
+            raise
         self._node = node
         self._held = None  # ours again, or another id's: the supervision has its marks
         self._slot.install(worker)
@@ -390,13 +408,18 @@ class Cluster(Collector):
             )  # fmt: skip
         return store, wait
 
-    def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """A ZooKeeper call that ends within ``--zk-connect-timeout`` (see ``zk_call``)."""
-        return zk_call(self._client, self._wait, what, method, *args, **kwargs)
+    def _call(
+        self, what: str, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any
+    ) -> Any:
+        """A ZooKeeper call that ends within ``timeout_s`` (default:
+        ``--zk-connect-timeout``; see ``zk_call``)."""
+        bound = self._wait if timeout_s is None else timeout_s
+        return zk_call(self._client, bound, what, method, *args, **kwargs)
 
     def _check_layout(self) -> None:
         """Refuse a node whose layout is not the cluster's: the one recorded in the
-        layout znode, recorded first (see :meth:`_record_layout`) if it is missing."""
+        layout znode, recorded first (see :meth:`_record_layout`) if it is missing.
+        A record that is not ours also stops the node for its layout (``/readyz``)."""
         path = self._layout_path
         ours = self._layout
         try:
@@ -407,24 +430,20 @@ class Cluster(Collector):
             theirs, where = _parse_layout(path, found), path
         self._last_record = theirs
         if theirs != ours:
+            self._stop_for_layout(theirs)
             raise StartupRefused(
                 f"Layout insanity: this node would make ids with {describe_layout(ours)}, but the "
                 f"cluster ({where}) makes them with {describe_layout(theirs)}; two layouts in one "
                 "cluster hand out the same ids: start with the cluster's --epoch and --*-bits"
             )
+        self._serve_for_layout()
 
     def _record_layout(self) -> Layout:
         """Record the cluster's layout where its znode is missing: the layout of the
         marks (the ids handed out so far were made with it), or ours if there is no
         mark anywhere. ``StartupRefused`` if the marks disagree among themselves."""
         path = self._layout_path
-        try:
-            found = self._marks_layouts(time.monotonic() + self._wait)
-        except _ScanUnfinished as e:
-            raise ZooKeeperSilent(
-                f"reading the high-water marks under {self._marks_root} ({e.left} of them "
-                "not read)", self._wait,
-            ) from None  # fmt: skip
+        found = self._marks_layouts()
         if len(found) > 1:
             which = "; ".join(
                 f"{describe_layout(layout)}: {', '.join(paths)}" for layout, paths in found.items()
@@ -443,6 +462,9 @@ class Cluster(Collector):
         except NodeExistsError:  # recorded by another node meanwhile: that one counts
             data, _ = self._call(f"reading the layout in {path}", "get", path)
             return _parse_layout(path, data)
+        # Ours, on an empty tree: if ZooKeeper lost its data, the nodes that held it put
+        # their marks back within the first-start wait; read them again after it.
+        self._recorded_alone = not found
         source = "its high-water marks" if found else "this node, its first"
         log.info(
             "recorded the cluster's layout in %s from %s: %s", path, source,
@@ -450,63 +472,82 @@ class Cluster(Collector):
         )  # fmt: skip
         return layout
 
-    def _marks_layouts(self, deadline: float) -> dict[Layout, list[str]]:
+    def _confirm_lone_record(self) -> None:
+        """After the first-start wait of a node that recorded its own layout on an empty
+        tree: a mark of another layout put back meanwhile (ZooKeeper lost its data and
+        its nodes came back) means the record is wrong. Delete it, so that those nodes
+        record their marks' layout, and refuse."""
+        if not self._recorded_alone:
+            return
+        others = {
+            layout: paths for layout, paths in self._marks_layouts().items()
+            if layout != self._layout
+        }  # fmt: skip
+        if not others:
+            self._recorded_alone = False
+            return
+        which = "; ".join(
+            f"{describe_layout(layout)}: {', '.join(paths)}" for layout, paths in others.items()
+        )
+        self._unrecord_layout()
+        raise StartupRefused(
+            f"Layout insanity: this node recorded its layout ({describe_layout(self._layout)}) "
+            f"in {self._layout_path} finding no record and no high-water mark, but marks of "
+            f"another layout were put back meanwhile ({which}): ZooKeeper lost its data and "
+            "the cluster's nodes are coming back; deleted the record (they record their "
+            "layout again): start with the cluster's --epoch and --*-bits"
+        )
+
+    def _unrecord_layout(self) -> None:
+        """Delete the record this node created on an empty tree, unless changed since."""
+        self._recorded_alone = False
+        path = self._layout_path
+        try:
+            self._call(f"deleting the layout in {path}", "delete", path, version=0)
+        except (KazooException, KazooTimeoutError, StartupDeferred) as e:
+            why = str(e) if isinstance(e, StartupDeferred) else describe_zk_error(e)
+            log.warning("left the layout this node recorded in %s: %s", path, why)
+        else:
+            log.warning("deleted the layout this node recorded in %s", path)
+
+    def _marks_layouts(self) -> dict[Layout, list[str]]:
         """The layouts the marks under ``marks/`` were made with, and which marks; read
-        by ``deadline`` (``time.monotonic()``), else ``_ScanUnfinished``.
+        within ``--zk-connect-timeout`` (``ZooKeeperSilent`` otherwise).
 
         The marks are read all at once, not one after another: a cluster may hold
-        thousands, and one read waits a round trip. What was read is kept for the next
-        scan (an unfinished one goes on from there): a mark names another layout only
-        when it is created again, which moves its datacenter's child version, so only
-        the marks of a datacenter whose children changed are read again."""
+        thousands, and one read waits a round trip."""
         root, client = self._marks_root, self._client
+        what = f"reading the high-water marks under {root}"
+        deadline = time.monotonic() + self._wait
 
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
 
-        dcs = children(client, root, f"listing the high-water marks in {root}", left() or 0.05)
-        listings = [
-            (dc, client.get_children_async(f"{root}/{dc}", include_data=True)) for dc in dcs
-        ]
-        scan: dict[str, tuple[int, list[str], dict[str, Layout | None]]] = {}
+        dcs = children(client, root, f"listing the high-water marks in {root}", self._wait)
+        listings = [(dc, client.get_children_async(f"{root}/{dc}")) for dc in dcs]
+        reads: list[tuple[str, Any]] = []
         for dc, listing in listings:
             try:
-                names, stat = listing.get(timeout=left())
+                names = listing.get(timeout=left())
             except NoNodeError:
                 continue
             except KazooTimeoutError:
-                raise _ScanUnfinished(len(listings)) from None
-            cversion, _, known = self._scan.get(dc, (None, [], {}))
-            if cversion != stat.cversion:
-                known = {}
-            names = sorted(names, key=lambda n: (len(n), n))
-            scan[dc] = (stat.cversion, names, {w: known[w] for w in names if w in known})
-        self._scan = scan
-        reads = [
-            (known, worker, client.get_async(f"{root}/{dc}/{worker}"))
-            for dc, (_, names, known) in scan.items()
-            for worker in names
-            if worker not in known
-        ]
-        unread = 0
-        for known, worker, read in reads:
+                raise ZooKeeperSilent(what, self._wait) from None
+            reads += [
+                (f"marks/{dc}/{worker}", client.get_async(f"{root}/{dc}/{worker}"))
+                for worker in numeric_order(names)
+            ]
+        found: dict[Layout, list[str]] = {}
+        for name, read in reads:
             try:
-                # Past the deadline, still collect what has come (timeout 0): kept.
                 data, _ = read.get(timeout=left())
             except NoNodeError:
-                known[worker] = None  # deleted: its datacenter's next listing says more
+                continue
             except KazooTimeoutError:
-                unread += 1
-            else:
-                known[worker] = mark_layout(data)
-        if unread:
-            raise _ScanUnfinished(unread)
-        found: dict[Layout, list[str]] = {}
-        for dc, (_, names, known) in scan.items():
-            for worker in names:
-                layout = known[worker]
-                if layout is not None:
-                    found.setdefault(layout, []).append(f"marks/{dc}/{worker}")
+                raise ZooKeeperSilent(what, self._wait) from None
+            layout = mark_layout(data)
+            if layout is not None:
+                found.setdefault(layout, []).append(name)
         return found
 
     def _lease(self, preferred: int | None, patient: bool, skipped: set[int]) -> int:
@@ -577,7 +618,10 @@ class Cluster(Collector):
         try:
             self._client.delete_async(node).get(timeout=_OP_TIMEOUT_S)
         except (KazooException, KazooTimeoutError) as e:
-            log.warning("could not delete %s: %s (it expires with the session)", node, e)
+            log.warning(
+                "could not delete %s: %s (it expires with the session)", node,
+                describe_zk_error(e),
+            )  # fmt: skip
 
     # -- keeping it safe ------------------------------------------------------
 
@@ -636,8 +680,10 @@ class Cluster(Collector):
         if self._needs_register or self._node is None:
             self._register_again()
             return
-        self._heartbeat()
+        # The layout first: a record that stops the node stops it before the heartbeat
+        # could extend the gate, and one that is ours again opens it in the same tick.
         self._keep_layout()
+        self._heartbeat()
 
     def _heartbeat(self) -> None:
         node = self._node
@@ -665,97 +711,87 @@ class Cluster(Collector):
         self._slot.closed_reason = "ZooKeeper unreachable for longer than the session allows"
 
     def _keep_layout(self) -> None:
-        """Keep the layout znode the cluster's (see the module's docstring), or stop
-        handing out ids if this node's layout is not the cluster's.
+        """Stop handing out ids while the recorded layout is not this node's, serve again
+        once it is, and record a deleted one again (see :meth:`_record_layout_again`).
 
-        It runs between two heartbeats, so it is given a quarter of the session timeout:
-        the gap between two heartbeats (this, the tick's interval of at most a quarter,
-        the heartbeat) stays well inside the gate's 0.9 x session timeout. What cannot
-        be read in that time is not decided on: the check is skipped this tick (the
-        marks read are kept for the next), and the node stays as it was."""
-        deadline = time.monotonic() + self.session_timeout / 4
+        One read, given a quarter of the session timeout: it runs between two heartbeats,
+        whose gap (this, the tick's interval of at most a quarter, the heartbeat) stays
+        well inside the gate's 0.9 x session timeout. A record that cannot be read, or is
+        not a layout, changes nothing: the node stays as it was, and says so once."""
+        path, bound = self._layout_path, min(self._wait, self.session_timeout / 4)
         try:
-            self._check_recorded_layout(deadline)
-        except (_ScanUnfinished, ZooKeeperSilent, KazooException, KazooTimeoutError) as e:
-            if isinstance(e, _ScanUnfinished):
-                why = f"{e.left} high-water marks still to read"
-            elif isinstance(e, ZooKeeperSilent):
-                why = f"no answer from ZooKeeper while {e.what}"
-            else:
-                why = describe_zk_error(e)
-            self._layout_skips += 1
-            log.log(
-                logging.WARNING if self._layout_skips == 1 else logging.DEBUG,
-                "the cluster's layout was not checked within %g s (a quarter of the session "
-                "timeout, so that heartbeats are not late): %s; checking it at the next ticks",
-                self.session_timeout / 4, why,
-            )  # fmt: skip
-            return
-        self._layout_skips = 0
-
-    def _check_recorded_layout(self, deadline: float) -> None:
-        path, ours = self._layout_path, self._layout
-
-        def call(what: str, method: str, *args: Any, **kwargs: Any) -> Any:
-            left = min(self._wait, deadline - time.monotonic())
-            if left <= 0:
-                raise ZooKeeperSilent(what, 0)
-            return zk_call(self._client, left, what, method, *args, **kwargs)
-
-        try:
-            data, stat = call(f"reading the layout in {path}", "get", path)
+            data, _ = self._call(f"reading the layout in {path}", "get", path, timeout_s=bound)
+            recorded = _parse_layout(path, data)
         except NoNodeError:
-            self._record_layout_again(call)
+            self._record_layout_again(bound)
             return
-        if stat.mzxid != self._scanned_for:
-            self._scan, self._scanned_for = {}, stat.mzxid  # a new record: read the marks anew
-        try:
-            recorded: Layout | None = _parse_layout(path, data)
-        except StartupRefused:
-            recorded = None
+        except (ZooKeeperSilent, KazooException, KazooTimeoutError) as e:
+            self._layout_unread(_unanswered(e, bound))
+            return
+        except StartupRefused as e:
+            self._layout_unread(str(e))
+            return
+        self._layout_problem = None
         self._last_record = recorded
-        if recorded == ours:
-            if self._layout_stop is not None:
-                log.warning("the cluster's layout in %s is this node's again: serving", path)
-                self._layout_stop = None
-            return
-        shown = "something that is not a layout" if recorded is None else describe_layout(recorded)
-        if set(self._marks_layouts(deadline)) == {ours}:
-            # Every id marked so far was made with our layout: the record is wrong.
-            try:
-                call(f"writing the layout back to {path}", "set", path, _layout_data(ours),
-                     version=stat.version)  # fmt: skip
-            except BadVersionError:
-                return  # changed again meanwhile: read at the next tick
-            self._last_record = ours
-            log.error(
-                "the cluster's layout znode %s said %s, but every high-water mark was made "
-                "with %s (this node's): wrote it back", path, shown, describe_layout(ours),
+        if recorded == self._layout:
+            self._serve_for_layout()
+        else:
+            self._stop_for_layout(recorded)
+
+    def _layout_unread(self, why: str) -> None:
+        if why != self._layout_problem:
+            state = "stopped" if self._layout_stop is not None else "as it was"
+            log.warning(
+                "the cluster's layout in %s was not checked: %s; this node stays %s and "
+                "reads it again at each tick", self._layout_path, why, state,
             )  # fmt: skip
-            return
+        self._layout_problem = why
+
+    def _stop_for_layout(self, recorded: Layout) -> None:
+        """Stop handing out ids: the recorded layout is not this node's (``/readyz`` says
+        so until the record is this node's layout again)."""
         reason = (
-            f"this node's layout ({describe_layout(ours)}) is not the cluster's, recorded "
-            f"in {path} ({shown}); two layouts in one cluster hand out the same ids"
+            f"this node's layout ({describe_layout(self._layout)}) is not the cluster's, "
+            f"recorded in {self._layout_path} ({describe_layout(recorded)}); two layouts in "
+            "one cluster hand out the same ids"
         )
-        if self._layout_stop is None:
-            log.error("stopped handing out ids: %s", reason)
+        if self._layout_stop is None and self._node is not None:
+            log.error(
+                "stopped handing out ids: %s; if the record is wrong, write the cluster's "
+                "layout back (this node's: zkCli.sh set %s '%s')", reason, self._layout_path,
+                _layout_data(self._layout).decode(),
+            )  # fmt: skip
         self._layout_stop = reason
         self._slot.close(reason)
 
-    def _record_layout_again(self, call: Callable[..., Any]) -> None:
-        """The layout znode is gone: record again the layout this node read there last.
+    def _serve_for_layout(self) -> None:
+        if self._layout_stop is not None:
+            log.warning(
+                "the cluster's layout in %s is this node's again: serving", self._layout_path
+            )
+            self._layout_stop = None
+
+    def _record_layout_again(self, bound: float) -> None:
+        """The layout znode is gone: record again the layout this node read there last
+        (never over one recorded meanwhile).
 
         For a serving node that is its own; for a node stopped for its layout it is the
         record that stopped it, so that its own write never lets it serve again (nor
-        stops the nodes of that layout). A node whose last record was not a layout
-        writes nothing: the others, or the next node to start (from the marks), do."""
+        stops the nodes of that layout). Its state is left to the next read."""
         path, record = self._layout_path, self._last_record
-        if record is None:
-            return
+        assert record is not None, "read at start"
         try:
-            call(f"recording the layout in {path} again", "create", path, _layout_data(record))
+            self._call(
+                f"recording the layout in {path} again", "create", path, _layout_data(record),
+                timeout_s=bound,
+            )  # fmt: skip
         except NodeExistsError:
             return  # recorded by another node meanwhile: read at the next tick
+        except (ZooKeeperSilent, KazooException, KazooTimeoutError) as e:
+            self._layout_unread(
+                f"it is gone, and recording it again failed: {_unanswered(e, bound)}"
+            )
+            return
         stays = "" if self._layout_stop is None else " (not this node's: it stays stopped)"
         log.warning(
             "the cluster's layout znode %s was gone: recorded it again as this node last "

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kazoo.exceptions import NoNodeError
@@ -42,7 +42,7 @@ from .._config.settings import ClusterSettings
 from .._errors import StartupDeferred, StartupInterrupted, StartupRefused
 from .zkmarks import describe_layout, zk_call
 
-__all__ = ["check_peers", "children", "refused_retry_s"]
+__all__ = ["check_peers", "children", "numeric_order", "refused_retry_s"]
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +72,17 @@ def refused_retry_s(settings: ClusterSettings) -> float:
     return settings.first_start_wait + startup + _REFUSED_MARGIN_S
 
 
+def numeric_order(names: Iterable[str]) -> list[str]:
+    """Znode names of ids (worker, datacenter) in numeric order: ``2`` before ``10``."""
+    return sorted(names, key=lambda n: (len(n), n))
+
+
 def children(client: Any, path: str, what: str, timeout_s: float = 10.0) -> list[str]:
     """The children of ``path`` in numeric order (none if it does not exist), read
     within ``timeout_s`` (``StartupDeferred`` otherwise, saying ``what`` was done)."""
     try:
         names = zk_call(client, timeout_s, what, "get_children", path)
-        return sorted(names, key=lambda n: (len(n), n))
+        return numeric_order(names)
     except NoNodeError:
         return []
 
@@ -170,7 +175,8 @@ def _registered_at(client: Any, root: str, pair: Pair, wait: float) -> str | Non
         return None  # gone meanwhile
     address = str(data.decode(errors="replace"))
     if _host_port(address) is None:
-        raise StartupRefused(
+        # Deferred, not refused: the registration is ephemeral and goes with its session.
+        raise StartupDeferred(
             f"the registration {path} holds {address!r}, not a node's host:port: a "
             "registration that cannot be read cannot be checked; remove it by hand (a node "
             "registers as its --advertise-host:--advertise-port)"

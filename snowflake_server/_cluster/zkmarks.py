@@ -18,7 +18,6 @@ from dataclasses import replace
 from typing import Any
 
 from kazoo.exceptions import (
-    AuthFailedError,
     BadVersionError,
     ConnectionClosedError,
     ConnectionLoss,
@@ -100,7 +99,6 @@ _ZK_ERRORS: tuple[tuple[type[BaseException], str], ...] = (
     (NodeExistsError, "a znode it creates exists already"),
     (BadVersionError, "a znode was changed meanwhile by someone else"),
     (NoAuthError, "ZooKeeper denied access: a znode's ACL does not let this node in"),
-    (AuthFailedError, "ZooKeeper rejected this node's credentials"),
 )
 
 

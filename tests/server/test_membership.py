@@ -39,7 +39,6 @@ from snowflake_server._state.statefile import layout_to_json
 from snowflake_server._state.worker import Worker, WorkerSlot
 from tests.support.endpoints import free_port, unique_scope
 from tests.support.fakes import FakeClock, SecondsClock
-from tests.support.latency import DelayingProxy
 from tests.support.waiting import run_in_thread, wait_until
 from tests.support.zookeeper import ZooKeeper
 
@@ -786,8 +785,8 @@ def test_a_layout_recorded_by_another_node_meanwhile_counts(
     """Two first nodes at once: the one that records its layout second reads the other's."""
     read_marks = Cluster._marks_layouts
 
-    def others_first(self: Cluster, deadline: float) -> dict[Layout, list[str]]:
-        found = read_marks(self, deadline)
+    def others_first(self: Cluster) -> dict[Layout, list[str]]:
+        found = read_marks(self)
         record_layout(zk, zk_path, **OTHER_LAYOUT)  # the other first node, meanwhile
         return found
 
@@ -805,26 +804,6 @@ def test_a_running_node_records_a_deleted_layout_again(
     assert layout_of(zk, zk_path) == Layout()
     log_events.wait_for(f"the cluster's layout znode {zk_path}/layout was gone: recorded it")
     assert node.slot.serving
-
-
-@pytest.mark.parametrize("written", ["another-layout", "not-a-layout"])
-def test_a_wrong_layout_written_to_the_znode_is_written_back(
-    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents, written: str
-) -> None:
-    """One bad write must not stop the cluster: every mark says the record is wrong."""
-    a, b = member(worker_id=2).join(), member(worker_id=3).join()
-    bad = b"41/5/4/13" if written == "not-a-layout" else json.dumps(
-        layout_to_json(Layout(**OTHER_LAYOUT))).encode()  # fmt: skip
-    zk.set(f"{zk_path}/layout", bad)
-    a.tick()
-    assert layout_of(zk, zk_path) == Layout()
-    shown = "something that is not a layout" if written == "not-a-layout" else NARROW
-    log_events.wait_for(
-        f"the cluster's layout znode {zk_path}/layout said {shown}, but every high-water mark "
-        f"was made with {DEFAULT} (this node's): wrote it back"
-    )
-    b.tick()
-    assert a.slot.serving and b.slot.serving
 
 
 def test_only_a_node_whose_layout_is_not_the_recorded_one_stops_issuing(
@@ -858,25 +837,198 @@ def test_only_a_node_whose_layout_is_not_the_recorded_one_stops_issuing(
     assert not default.slot.serving
 
 
-def test_a_layout_changed_again_while_being_written_back_is_read_at_the_next_tick(
-    member: Make, zk: KazooClient, zk_path: str, monkeypatch: pytest.MonkeyPatch
+def layout_json(**bits: int) -> bytes:
+    return json.dumps(layout_to_json(Layout(**bits))).encode()
+
+
+class CountedReads:
+    """The reads of marks a client issued (the client is real; this only counts)."""
+
+    def __init__(self, client: KazooClient, marks: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        real = client.get_async
+
+        def counted(path: str, *args: Any, **kwargs: Any) -> Any:
+            if path.startswith(marks):
+                self.count += 1
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(client, "get_async", counted)
+
+
+def test_a_wrong_record_stops_every_node_within_a_tick_and_writing_it_back_resumes_them(
+    member: Make,
+    zk: KazooClient,
+    zk_path: str,
+    log_events: LogEvents,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The record decides, nothing else: a wrong write stops the nodes whose layout
+    differs (the marks are not read: a scan of thousands held the heartbeats back, and
+    one mark of another layout, or one unfinished scan, kept a wrong node serving)."""
+    a, b = member(worker_id=2).join(), member(worker_id=3).join()
+    record = f"{zk_path}/layout"
+    reads = CountedReads(a.client, f"{zk_path}/marks/", monkeypatch)
+    zk.set(record, layout_json(**OTHER_LAYOUT))
+    a.tick()
+    reason = (
+        f"this node's layout ({DEFAULT}) is not the cluster's, recorded in {record} "
+        f"({NARROW}); two layouts in one cluster hand out the same ids"
+    )
+    assert a.slot.unavailable_reason() == f"this node is not handing out ids: {reason}"
+    log_events.wait_for(f"stopped handing out ids: {reason}")
+    assert reads.count == 0, "no mark read: the record decides"
+    b.tick()
+    assert not b.slot.serving
+    assert zk.get(record)[0] == layout_json(**OTHER_LAYOUT), "not written back"
+    zk.set(record, layout_json())  # the operator writes the right layout back
+    a.gate.advance(1)
+    a.tick()
+    assert a.slot.serving, "resumed at the next tick"
+    log_events.wait_for(f"the cluster's layout in {record} is this node's again: serving")
+    b.gate.advance(1)
+    b.tick()
+    assert b.slot.serving
+
+
+def test_a_record_that_is_not_a_layout_changes_nothing_and_is_logged_once(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
+) -> None:
+    narrow = member(worker_id=3, **OTHER_LAYOUT).join()  # the first: its layout recorded
+    record = f"{zk_path}/layout"
+    zk.set(record, layout_json())
+    default = member(worker_id=2).join()
+    narrow.tick()
+    assert not narrow.slot.serving, "stopped for its layout"
+    zk.set(record, b"garbage")
+    for node in (narrow, default, narrow, default):
+        node.gate.advance(1)
+        node.tick()
+    assert default.slot.serving and not narrow.slot.serving, "each stays as it was"
+    said = f"the cluster's layout in {record} was not checked: the cluster's layout in ZooKeeper"
+    assert sum(said in m and "stays as it was" in m for m in log_events.messages) == 1
+    assert sum(said in m and "stays stopped" in m for m in log_events.messages) == 1
+    zk.delete(record)
+    narrow.tick()  # recorded again as it last read a layout: the one that stopped it
+    assert layout_of(zk, zk_path) == Layout()
+    narrow.gate.advance(1)
+    narrow.tick()
+    assert not narrow.slot.serving
+
+
+def test_a_layout_znode_the_node_may_not_read_is_not_decided_on(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
+) -> None:
+    node = member(worker_id=2).join()
+    zk.set_acls(f"{zk_path}/layout", [make_digest_acl("someone", "else", all=True)])
+    node.gate.advance(1)
+    node.tick()
+    log_events.wait_for(
+        f"the cluster's layout in {zk_path}/layout was not checked: ZooKeeper denied access"
+    )
+    assert node.slot.serving, "the heartbeat went on"
+
+
+def test_a_record_changed_during_the_start_up_waits_refuses_before_serving(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    """The record was read before the first-start wait and never again: the node served
+    with a layout the cluster no longer records."""
+    record_layout(zk, zk_path)
+    record = f"{zk_path}/layout"
+
+    def changed(_: float) -> None:
+        zk.set(record, layout_json(**OTHER_LAYOUT))
+
+    node = member(worker_id=2, first_start_wait=1.0, on_sleep=changed)
+    with pytest.raises(StartupRefused) as info:
+        node.join()
+    assert str(info.value) == (
+        f"Layout insanity: this node would make ids with {DEFAULT}, but the cluster "
+        f"({record}) makes them with {NARROW}; two layouts in one cluster hand out "
+        "the same ids: start with the cluster's --epoch and --*-bits"
+    )
+    assert node.sleeps == [1.0] and node.slot.worker is None and not node.slot.serving
+    assert zk.exists(f"{zk_path}/nodes/0/2") is None
+
+
+def test_a_newcomer_on_an_empty_tree_unrecords_its_layout_when_marks_of_another_come_back(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    """ZooKeeper lost its data: a misconfigured newcomer recorded its own layout, and
+    the cluster's nodes, putting their marks back, were refused by that record forever."""
+    record = f"{zk_path}/layout"
+    theirs = json.dumps({"mark_ms": T0, "layout": layout_to_json(Layout())}).encode()
+
+    def mark_put_back(_: float) -> None:
+        assert layout_of(zk, zk_path) == Layout(**OTHER_LAYOUT), "recorded alone"
+        zk.create(f"{zk_path}/marks/0/5", theirs, makepath=True)
+
+    newcomer = member(worker_id=2, first_start_wait=1.0, on_sleep=mark_put_back, **OTHER_LAYOUT)
+    with pytest.raises(StartupRefused) as info:
+        newcomer.join()
+    assert str(info.value) == (
+        f"Layout insanity: this node recorded its layout ({NARROW}) in {record} finding no "
+        f"record and no high-water mark, but marks of another layout were put back "
+        f"meanwhile ({DEFAULT}: marks/0/5): ZooKeeper lost its data and the cluster's nodes "
+        "are coming back; deleted the record (they record their layout again): start with "
+        "the cluster's --epoch and --*-bits"
+    )
+    assert zk.exists(record) is None and zk.exists(f"{zk_path}/nodes/0/2") is None
+    assert zk.exists(f"{zk_path}/marks/0/2") is None, "nothing written"
+    member(worker_id=5).join()  # the mark's node: its layout recorded from the marks
+    assert layout_of(zk, zk_path) == Layout()
+
+
+def test_a_lone_record_is_deleted_when_the_start_fails_before_it_is_confirmed(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    """An interrupted start must not leave a record the next start would take as the
+    cluster's, skipping the check of the marks."""
+    nodes: list[Member] = []
+
+    def stopped(_: float) -> None:
+        nodes[0].cluster.interrupt()  # a stop during the first-start wait
+
+    nodes.append(member(worker_id=2, first_start_wait=1.0, on_sleep=stopped, **OTHER_LAYOUT))
+    with pytest.raises(StartupInterrupted):
+        nodes[0].join()
+    assert zk.exists(f"{zk_path}/layout") is None
+
+
+def test_a_record_changed_by_another_node_is_not_unrecorded(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    record = f"{zk_path}/layout"
+
+    def rewritten(_: float) -> None:
+        zk.set(record, layout_json(**OTHER_LAYOUT))  # an operator, meanwhile
+        zk.create(f"{zk_path}/marks/0/5", other_layouts_mark(T0, 1288834974657, **OTHER_LAYOUT),
+                  makepath=True)  # fmt: skip
+
+    node = member(worker_id=2, first_start_wait=1.0, on_sleep=rewritten)
+    with pytest.raises(StartupRefused, match="marks of another layout were put back"):
+        node.join()
+    assert layout_of(zk, zk_path) == Layout(**OTHER_LAYOUT), "not ours to delete"
+
+
+def test_a_node_registering_again_says_why_when_the_record_is_not_its_layout(
+    member: Make, zookeeper: ZooKeeper, zk: KazooClient, zk_path: str
 ) -> None:
     node = member(worker_id=2).join()
     record = f"{zk_path}/layout"
-    zk.set(record, b"garbage")
-    read_marks = Cluster._marks_layouts
-
-    def written_meanwhile(self: Cluster, deadline: float) -> dict[Layout, list[str]]:
-        found = read_marks(self, deadline)
-        zk.set(record, b"more garbage")  # another write between our read and our write
-        return found
-
-    monkeypatch.setattr(Cluster, "_marks_layouts", written_meanwhile)
+    zk.set(record, layout_json(**OTHER_LAYOUT))
+    end_session(zookeeper, expire(node))
+    with pytest.raises(StartupRefused, match="Layout insanity"):
+        node.tick()  # the supervision thread logs it: cannot register again yet
+    assert node.slot.unavailable_reason() == (
+        f"this node is not handing out ids: this node's layout ({DEFAULT}) is not the "
+        f"cluster's, recorded in {record} ({NARROW}); two layouts in one cluster hand out "
+        "the same ids"
+    )
+    zk.set(record, layout_json())
     node.tick()
-    assert zk.get(record)[0] == b"more garbage", "not overwritten blindly"
-    monkeypatch.undo()
-    node.tick()
-    assert layout_of(zk, zk_path) == Layout()
+    assert node.slot.serving and node.cluster._layout_stop is None
 
 
 def test_a_deleted_layout_recorded_by_another_node_first_is_left_to_it(
@@ -921,134 +1073,6 @@ def test_a_node_stopped_for_its_layout_records_a_deleted_layout_as_the_one_that_
     default.gate.advance(1)
     default.tick()
     assert default.slot.serving
-
-
-def test_a_node_whose_last_record_was_not_a_layout_leaves_a_deleted_one_to_others(
-    member: Make, zk: KazooClient, zk_path: str
-) -> None:
-    narrow = member(worker_id=3, **OTHER_LAYOUT).join()
-    zk.create(f"{zk_path}/marks/0/2", other_layouts_mark(T0, 1288834974657), makepath=True)
-    record = f"{zk_path}/layout"
-    zk.set(record, b"garbage")
-    narrow.tick()
-    assert not narrow.slot.serving, "the marks disagree: the record is not written back"
-    zk.delete(record)
-    narrow.tick()
-    assert zk.exists(record) is None
-    assert not narrow.slot.serving
-
-
-def create_marks(zk: KazooClient, zk_path: str, datacenters: range, workers: range) -> int:
-    """Marks of the default layout for every pair, written at once; how many."""
-    data = json.dumps({"mark_ms": T0, "layout": layout_to_json(Layout())}).encode()
-    for dc in datacenters:
-        zk.ensure_path(f"{zk_path}/marks/{dc}")
-    made = [
-        zk.create_async(f"{zk_path}/marks/{dc}/{w}", data) for dc in datacenters for w in workers
-    ]
-    for result in made:
-        result.get(timeout=10)
-    return len(made)
-
-
-class CountedReads:
-    """The reads of marks a client issued (the client is real; this only counts)."""
-
-    def __init__(self, client: KazooClient, marks: str, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
-        real = client.get_async
-
-        def counted(path: str, *args: Any, **kwargs: Any) -> Any:
-            if path.startswith(marks):
-                self.count += 1
-            return real(path, *args, **kwargs)
-
-        monkeypatch.setattr(client, "get_async", counted)
-
-
-def zk_address(zookeeper: ZooKeeper) -> tuple[str, int]:
-    host, _, port = zookeeper.hosts.split(",")[0].rpartition(":")
-    return host, int(port)
-
-
-def test_a_wide_layout_scan_over_a_slow_network_does_not_hold_up_the_heartbeats(
-    member: Make,
-    zookeeper: ZooKeeper,
-    zk: KazooClient,
-    zk_path: str,
-    log_events: LogEvents,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """With the record not its layout, a node read every mark one after another, each
-    tick: 40 ms a round trip and 300 marks held the heartbeats back 12 s, past the gate."""
-    with DelayingProxy(zk_address(zookeeper), 0.02) as proxy:  # 40 ms a round trip
-        node = member(hosts=proxy.hosts, worker_id=2).join()
-        marks = create_marks(zk, zk_path, range(1, 11), range(30))
-        zk.create(f"{zk_path}/marks/11/0", other_layouts_mark(T0, worker_id_bits=4),
-                  makepath=True)  # fmt: skip
-        record = f"{zk_path}/layout"
-        zk.set(record, json.dumps(layout_to_json(Layout(**OTHER_LAYOUT))).encode())
-        reads = CountedReads(node.client, f"{zk_path}/marks/", monkeypatch)
-        started = time.monotonic()
-        node.tick()
-        took = time.monotonic() - started
-        assert took < SESSION / 4, f"the tick took {took:.2f} s"
-        assert not node.slot.serving, "the scan finished: the marks disagree, it stopped"
-        assert reads.count == marks + 2
-        node.gate.advance(1)
-        node.tick()
-        assert reads.count == marks + 2, "nothing changed: not read again"
-        assert samples(node.cluster)["snowflake_zookeeper_last_contact_age_seconds"] == 0
-        # A scan that cannot finish in time is left for the next ticks.
-        zk.set(record, b"a new record: the marks are read anew")
-        proxy.delay_s = 0.3  # 600 ms a round trip
-        started = time.monotonic()
-        node.tick()
-        took = time.monotonic() - started
-        assert took < 0.6 + SESSION / 4 + 0.4, f"the tick took {took:.2f} s"
-        log_events.wait_for(
-            "the cluster's layout was not checked within 1 s (a quarter of the session "
-            "timeout, so that heartbeats are not late)"
-        )
-        assert zk.get(record)[0] == b"a new record: the marks are read anew", "not decided on"
-        assert not node.slot.serving
-
-
-def test_a_layout_znode_the_node_may_not_read_is_not_decided_on(
-    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
-) -> None:
-    node = member(worker_id=2).join()
-    zk.set_acls(f"{zk_path}/layout", [make_digest_acl("someone", "else", all=True)])
-    node.gate.advance(1)
-    node.tick()
-    log_events.wait_for(
-        "the cluster's layout was not checked within 1 s (a quarter of the session timeout, "
-        "so that heartbeats are not late): ZooKeeper denied access"
-    )
-    assert node.slot.serving, "the heartbeat went on"
-
-
-def test_an_unfinished_scan_of_the_marks_goes_on_where_it_stopped(
-    member: Make,
-    zookeeper: ZooKeeper,
-    zk: KazooClient,
-    zk_path: str,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    with DelayingProxy(zk_address(zookeeper), 0.0) as proxy:
-        node = member(hosts=proxy.hosts, worker_id=2).join()
-        marks = create_marks(zk, zk_path, range(1, 5), range(30)) + 1  # and node's own
-        reads = CountedReads(node.client, f"{zk_path}/marks/", monkeypatch)
-        proxy.delay_s = 0.25  # listings take 1 s (two round trips), the reads one more
-        with pytest.raises(Exception, match="high-water marks not read in time") as info:
-            node.cluster._marks_layouts(time.monotonic() + 1.25)
-        left: int = info.value.left  # type: ignore[attr-defined]
-        assert 0 < left <= marks and reads.count == marks
-        proxy.delay_s = 0.0
-        found = node.cluster._marks_layouts(time.monotonic() + 5)
-        assert found == {Layout(): [f"marks/{dc}/{w}" for dc in range(5) for w in range(30)
-                                    if dc > 0 or w == 2]}  # fmt: skip
-        assert reads.count == marks + left, "only those not read before"
 
 
 def test_a_static_id_whose_mark_has_another_layout_is_refused(
