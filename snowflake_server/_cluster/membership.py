@@ -25,19 +25,20 @@ it (``StartupDeferred``, exit 75) in about that time.
 
 The layout znode is the cluster's layout, and it must be the layout of the
 marks (each mark records the layout its ids were made with). A node of another
-layout is refused at start, ``--skip-sanity-checks`` or not, and again after its
-start-up waits, before it serves (the record may have changed meanwhile). A
-missing layout znode is recorded again from the marks (a node refuses to start
-if they disagree among themselves), and from the newcomer's layout only when
-there is no mark at all; such a node reads the marks again after its
-first-start wait and, if a node put back a mark of another layout meanwhile
-(ZooKeeper lost its data), deletes its record and refuses. Running nodes read
-the record at each supervision tick (one read, which needs no watch to survive
+layout is refused at start, ``--skip-sanity-checks`` or not, and again right
+before its first mark is written, after its start-up waits (the record may have
+changed meanwhile): nothing is written by a refused node. A first start writes
+no record before that confirmation; there a missing record is recorded from the
+marks (a node refuses to start if they disagree among themselves), and from the
+newcomer's layout only when there is no mark at all. Running nodes read the
+record at each supervision tick (one read, which needs no watch to survive
 reconnections and expired sessions): one that differs from the node's layout
-stops it handing out ids (``/readyz`` says why) until the record is its layout
-again; a deleted one is recorded again as the node last read it (its own
-layout, or for a stopped node the record that stopped it); one that cannot be
-read, or is not a layout, changes nothing (logged).
+stops it handing out ids (``/readyz`` says why) until the record has been its
+layout again for 0.9 x session timeout; a deleted one is recorded again as the
+node last read it (its own layout, or for a stopped node the record that stopped
+it), by a node registering again too (never from the marks); one that cannot be
+read, or is not a layout, changes nothing (logged), and a node registering again
+waits for it.
 
 A worker id without a mark in ZooKeeper is either new or was used before
 ZooKeeper lost its data, perhaps by a node whose clock is ahead of ours. So the

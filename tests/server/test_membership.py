@@ -1565,3 +1565,36 @@ def test_an_interrupt_ends_the_wait_for_zookeeper(member: Make) -> None:
     assert isinstance(error, StartupInterrupted), error
     assert str(error) == "stopping while connecting to ZooKeeper; not registered"
     assert node.cluster.client is None and not node.client.connected
+
+
+def test_a_record_deleted_while_registering_again_is_written_back_at_the_confirmation(
+    member: Make,
+    zookeeper: ZooKeeper,
+    zk: KazooClient,
+    zk_path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    node = member(worker_id=2).join()
+    record = f"{zk_path}/layout"
+    apply_layout = Cluster._apply_layout
+
+    def deleted_after(self: Cluster, phase: str, bound: float | None = None) -> None:
+        apply_layout(self, phase, bound)
+        zk.delete(record)  # before the worker's first mark
+
+    monkeypatch.setattr(Cluster, "_apply_layout", deleted_after)
+    end_session(zookeeper, expire(node))
+    node.tick()
+    assert layout_of(zk, zk_path) == Layout() and node.slot.worker is not None
+
+
+def test_a_node_registering_again_with_no_record_read_writes_none(
+    member: Make, zookeeper: ZooKeeper, zk: KazooClient, zk_path: str
+) -> None:
+    node = member(worker_id=2).join()
+    node.cluster._last_record = None  # as if it never read one
+    zk.delete(f"{zk_path}/layout")
+    end_session(zookeeper, expire(node))
+    with pytest.raises(StartupDeferred, match="read no record to write back"):
+        node.tick()
+    assert zk.exists(f"{zk_path}/layout") is None and zk.exists(f"{zk_path}/nodes/0/2") is None
