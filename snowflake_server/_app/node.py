@@ -123,7 +123,13 @@ def clustered(
         source=slot, collectors=[CurrentReservation(slot)], unavailable=slot.unavailable_reason
     )
 
-    def open_worker(worker_id: int, remote: tuple[MarkStore, int], waited: float | None) -> Worker:
+    def open_worker(
+        worker_id: int,
+        remote: tuple[MarkStore, int],
+        waited: float | None,
+        *,
+        before_first_write: Callable[[], None] | None = None,
+    ) -> Worker:
         return Worker.open(
             settings.worker,
             worker_id,
@@ -131,6 +137,7 @@ def clustered(
             wait=waits_until(stopping),
             remote=remote,
             first_start_waited=waited,
+            before_first_write=before_first_write,
         )
 
     def join(port: int, defer: Defer) -> None:

@@ -25,19 +25,20 @@ it (``StartupDeferred``, exit 75) in about that time.
 
 The layout znode is the cluster's layout, and it must be the layout of the
 marks (each mark records the layout its ids were made with). A node of another
-layout is refused at start, ``--skip-sanity-checks`` or not, and again after its
-start-up waits, before it serves (the record may have changed meanwhile). A
-missing layout znode is recorded again from the marks (a node refuses to start
-if they disagree among themselves), and from the newcomer's layout only when
-there is no mark at all; such a node reads the marks again after its
-first-start wait and, if a node put back a mark of another layout meanwhile
-(ZooKeeper lost its data), deletes its record and refuses. Running nodes read
-the record at each supervision tick (one read, which needs no watch to survive
+layout is refused at start, ``--skip-sanity-checks`` or not, and again right
+before its first mark is written, after its start-up waits (the record may have
+changed meanwhile): nothing is written by a refused node. A first start writes
+no record before that confirmation; there a missing record is recorded from the
+marks (a node refuses to start if they disagree among themselves), and from the
+newcomer's layout only when there is no mark at all. Running nodes read the
+record at each supervision tick (one read, which needs no watch to survive
 reconnections and expired sessions): one that differs from the node's layout
-stops it handing out ids (``/readyz`` says why) until the record is its layout
-again; a deleted one is recorded again as the node last read it (its own
-layout, or for a stopped node the record that stopped it); one that cannot be
-read, or is not a layout, changes nothing (logged).
+stops it handing out ids (``/readyz`` says why) until the record has been its
+layout again for 0.9 x session timeout; a deleted one is recorded again as the
+node last read it (its own layout, or for a stopped node the record that stopped
+it), by a node registering again too (never from the marks); one that cannot be
+read, or is not a layout, changes nothing (logged), and a node registering again
+waits for it.
 
 A worker id without a mark in ZooKeeper is either new or was used before
 ZooKeeper lost its data, perhaps by a node whose clock is ahead of ours. So the
@@ -58,7 +59,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
@@ -101,14 +102,34 @@ __all__ = ["Cluster", "OpenWorker", "advertised_address"]
 
 log = logging.getLogger(__name__)
 
-OpenWorker = Callable[[int, tuple[MarkStore, int], "float | None"], Worker]
-"""Opens the worker of a leased id, honouring the id's mark in ZooKeeper (the
-store and its margin); the seconds waited for a worker id with no mark in
-ZooKeeper (None: it has one); see :meth:`Worker.open`."""
+
+class OpenWorker(Protocol):
+    """Opens the worker of a leased id, honouring the id's mark in ZooKeeper (the
+    store and its margin); the seconds waited for a worker id with no mark in
+    ZooKeeper (None: it has one); ``before_first_write`` is called after every wait,
+    right before the first mark is written; see :meth:`Worker.open`."""
+
+    def __call__(
+        self,
+        worker_id: int,
+        remote: tuple[MarkStore, int],
+        waited: float | None,
+        *,
+        before_first_write: Callable[[], None] | None = None,
+    ) -> Worker: ...
+
 
 _OP_TIMEOUT_S = 2.0
 _CONNECT_POLL_S = 0.05  # how soon a stop ends the wait for ZooKeeper's connection
 _GHOST_RETRIES = 2  # Twitter's: retry twice, 1 s apart; it may be our own ghost
+_REPEAT_LOG_S = 60.0  # a failure to register again, said again at most this often
+
+# When the layout record is applied (see Cluster._apply_layout).
+UNREACHABLE = "ZooKeeper unreachable for longer than the session allows"
+
+_FIRST_START = "first start"
+_AGAIN = "registering again"
+_SERVING = "serving"
 
 
 def advertised_address(settings: ClusterSettings, bound_port: int) -> str:
@@ -201,9 +222,14 @@ class Cluster(Collector):
         self._layout_stop: str | None = None
         # The layout record this node read last (None: none yet); see _keep_layout.
         self._last_record: Layout | None = None
-        # The layout this node recorded on an empty tree (no record, no mark), until the
-        # marks are read again after the first-start wait; see _confirm_lone_record.
-        self._recorded_alone = False
+        # When a node stopped for its layout first read its own layout again (gate
+        # clock); it serves once that has held for a while (see _serve_for_layout).
+        self._settle_from: float | None = None
+        # Guards the gate between the heartbeat and lost_ownership (another thread).
+        self._gate_lock = threading.Lock()
+        self._closures = 0  # moved by every closure that asks for a registration again
+        # Why registering again failed last, and when that was logged (gate clock).
+        self._register_problem: tuple[str, float] | None = None
         self._layout_problem: str | None = None  # why the record was not read, logged once
         self._events: Counter[str] = Counter()
         self._skipped: Counter[str] = Counter()
@@ -285,30 +311,29 @@ class Cluster(Collector):
         could repeat ids, ``StartupDeferred`` if it may pass by itself (a static id
         still held), ``StartupInterrupted`` after :meth:`interrupt`."""
         self._interrupted("about to register")
-        self._register(preferred=None, patient=True)
+        self._register(preferred=None, patient=True, phase=_FIRST_START)
         self._thread = threading.Thread(target=self._supervise, name="zookeeper", daemon=True)
         self._thread.start()
 
     # -- registration ---------------------------------------------------------
 
-    def _register(self, preferred: int | None, patient: bool) -> None:
-        self._check_layout()
-        try:
-            self._register_checked(preferred, patient)
-        except BaseException:
-            if self._recorded_alone:  # not confirmed: leave the tree as it was found
-                self._unrecord_layout()
-            raise
-
-    def _register_checked(self, preferred: int | None, patient: bool) -> None:
+    def _register(self, preferred: int | None, patient: bool, phase: str) -> None:
+        """Check the layout record, lease a worker id, open its worker and serve it; the
+        record is confirmed again right before the worker's first mark is written."""
+        self._apply_layout(phase)
         skipped: set[int] = set()
+
+        def confirm() -> None:
+            self._confirm_layout(phase)
+
         while True:
             worker_id = self._lease(preferred, patient, skipped)
             node = f"{self._nodes}/{worker_id}"
             try:
                 store, waited = self._load_marks(worker_id, node)
-                self._confirm_lone_record()
-                worker = self._open_worker(worker_id, (store, ZK_MARK_AHEAD_MS), waited)
+                worker = self._open_worker(
+                    worker_id, (store, ZK_MARK_AHEAD_MS), waited, before_first_write=confirm
+                )
             except ClockBehindMark as e:
                 self._delete(node)
                 if not self._settings.auto_worker_id:
@@ -345,14 +370,6 @@ class Cluster(Collector):
                 self._delete(node)
                 raise
             break
-        try:
-            # The start-up waits (first start, clock) may be long: the record may have
-            # changed meanwhile, and nothing looked at it since.
-            self._check_layout()
-        except BaseException:
-            worker.close()  # it handed out no id; a mark it cannot store is logged
-            self._delete(node)
-            raise
         self._node = node
         self._held = None  # ours again, or another id's: the supervision has its marks
         self._slot.install(worker)
@@ -416,32 +433,91 @@ class Cluster(Collector):
         bound = self._wait if timeout_s is None else timeout_s
         return zk_call(self._client, bound, what, method, *args, **kwargs)
 
-    def _check_layout(self) -> None:
-        """Refuse a node whose layout is not the cluster's: the one recorded in the
-        layout znode, recorded first (see :meth:`_record_layout`) if it is missing.
-        A record that is not ours also stops the node for its layout (``/readyz``)."""
+    def _apply_layout(self, phase: str, bound: float | None = None) -> None:
+        """Apply the cluster's layout record (one read within ``bound``, default
+        ``--zk-connect-timeout``): at the first start (``_FIRST_START``), when
+        registering again (``_AGAIN``) and at each tick while serving (``_SERVING``).
+
+        Ours: fine (a node stopped for its layout serves again after a settle time,
+        see :meth:`_serve_for_layout`). Another: ``StartupRefused`` before serving,
+        the layout stop (``/readyz`` says why) once registered, and both when
+        registering again. Missing: nothing is written at a first start (the record is
+        made right before the first mark, :meth:`_confirm_layout`); otherwise it is
+        recorded again as this node last read it (:meth:`_record_layout_again`).
+        Unreadable, or not a layout: a first start is refused or deferred, a node
+        registering again is deferred (it leases nothing it cannot check), a serving
+        or stopped node stays as it is (logged once)."""
         path = self._layout_path
-        ours = self._layout
+        what = f"reading the layout in {path}"
         try:
-            found, _ = self._call(f"reading the layout in {path}", "get", path)
+            data, _ = self._call(what, "get", path, timeout_s=bound)
+            recorded = _parse_layout(path, data)
         except NoNodeError:
-            theirs, where = self._record_layout(), f"{path}, recorded from its marks"
+            if phase != _FIRST_START:
+                self._record_layout_again(self._wait if bound is None else bound)
+            return
+        except (ZooKeeperSilent, KazooException, KazooTimeoutError, StartupRefused) as e:
+            if phase == _FIRST_START:
+                raise
+            why = str(e) if isinstance(e, StartupRefused) else _unanswered(e, bound or self._wait)
+            self._layout_unread(why)
+            if phase == _AGAIN:
+                raise StartupDeferred(
+                    f"the cluster's layout in {path} was not checked: {why}; not registering "
+                    "again until it is"
+                ) from None
+            return
+        self._layout_problem = None
+        self._last_record = recorded
+        if recorded == self._layout:
+            self._serve_for_layout()
+            return
+        self._stop_for_layout(recorded)
+        if phase != _SERVING:
+            raise self._insanity(recorded, path)
+
+    def _insanity(self, theirs: Layout, where: str) -> StartupRefused:
+        return StartupRefused(
+            f"Layout insanity: this node would make ids with {describe_layout(self._layout)}, "
+            f"but the cluster ({where}) makes them with {describe_layout(theirs)}; two layouts "
+            "in one cluster hand out the same ids: start with the cluster's --epoch and --*-bits"
+        )
+
+    def _confirm_layout(self, phase: str) -> None:
+        """Right before the first mark of a worker opened (every start-up wait over):
+        the record must be this node's layout, or ``StartupRefused`` and nothing is
+        written. A missing one is recorded (create-only) first: at a first start from
+        the marks (:meth:`_record_layout`), when registering again as this node last
+        read it (never from the marks: its own mark, put back, would name its layout);
+        one that cannot be read defers the start."""
+        path = self._layout_path
+        try:
+            data, _ = self._call(f"reading the layout in {path}", "get", path)
+        except NoNodeError:
+            if phase == _FIRST_START:
+                theirs, where = self._record_layout(), f"{path}, recorded from its marks"
+            else:
+                self._record_layout_again(self._wait)
+                try:
+                    data, _ = self._call(f"reading the layout in {path}", "get", path)
+                except NoNodeError:
+                    raise StartupDeferred(
+                        f"the cluster's layout znode {path} is missing and this node read no "
+                        "record to write back; not registering again until it is recorded"
+                    ) from None
+                theirs, where = _parse_layout(path, data), path
         else:
-            theirs, where = _parse_layout(path, found), path
+            theirs, where = _parse_layout(path, data), path
         self._last_record = theirs
-        if theirs != ours:
+        if theirs != self._layout:
             self._stop_for_layout(theirs)
-            raise StartupRefused(
-                f"Layout insanity: this node would make ids with {describe_layout(ours)}, but the "
-                f"cluster ({where}) makes them with {describe_layout(theirs)}; two layouts in one "
-                "cluster hand out the same ids: start with the cluster's --epoch and --*-bits"
-            )
-        self._serve_for_layout()
+            raise self._insanity(theirs, where)
 
     def _record_layout(self) -> Layout:
-        """Record the cluster's layout where its znode is missing: the layout of the
-        marks (the ids handed out so far were made with it), or ours if there is no
-        mark anywhere. ``StartupRefused`` if the marks disagree among themselves."""
+        """Record the cluster's layout where its znode is missing at a first start's
+        confirmation: the layout of the marks (the ids handed out so far were made with
+        it), or ours if there is no mark anywhere; the record found if another node
+        recorded one first. ``StartupRefused`` if the marks disagree among themselves."""
         path = self._layout_path
         found = self._marks_layouts()
         if len(found) > 1:
@@ -462,53 +538,12 @@ class Cluster(Collector):
         except NodeExistsError:  # recorded by another node meanwhile: that one counts
             data, _ = self._call(f"reading the layout in {path}", "get", path)
             return _parse_layout(path, data)
-        # Ours, on an empty tree: if ZooKeeper lost its data, the nodes that held it put
-        # their marks back within the first-start wait; read them again after it.
-        self._recorded_alone = not found
         source = "its high-water marks" if found else "this node, its first"
         log.info(
             "recorded the cluster's layout in %s from %s: %s", path, source,
             describe_layout(layout),
         )  # fmt: skip
         return layout
-
-    def _confirm_lone_record(self) -> None:
-        """After the first-start wait of a node that recorded its own layout on an empty
-        tree: a mark of another layout put back meanwhile (ZooKeeper lost its data and
-        its nodes came back) means the record is wrong. Delete it, so that those nodes
-        record their marks' layout, and refuse."""
-        if not self._recorded_alone:
-            return
-        others = {
-            layout: paths for layout, paths in self._marks_layouts().items()
-            if layout != self._layout
-        }  # fmt: skip
-        if not others:
-            self._recorded_alone = False
-            return
-        which = "; ".join(
-            f"{describe_layout(layout)}: {', '.join(paths)}" for layout, paths in others.items()
-        )
-        self._unrecord_layout()
-        raise StartupRefused(
-            f"Layout insanity: this node recorded its layout ({describe_layout(self._layout)}) "
-            f"in {self._layout_path} finding no record and no high-water mark, but marks of "
-            f"another layout were put back meanwhile ({which}): ZooKeeper lost its data and "
-            "the cluster's nodes are coming back; deleted the record (they record their "
-            "layout again): start with the cluster's --epoch and --*-bits"
-        )
-
-    def _unrecord_layout(self) -> None:
-        """Delete the record this node created on an empty tree, unless changed since."""
-        self._recorded_alone = False
-        path = self._layout_path
-        try:
-            self._call(f"deleting the layout in {path}", "delete", path, version=0)
-        except (KazooException, KazooTimeoutError, StartupDeferred) as e:
-            why = str(e) if isinstance(e, StartupDeferred) else describe_zk_error(e)
-            log.warning("left the layout this node recorded in %s: %s", path, why)
-        else:
-            log.warning("deleted the layout this node recorded in %s", path)
 
     def _marks_layouts(self) -> dict[Layout, list[str]]:
         """The layouts the marks under ``marks/`` were made with, and which marks; read
@@ -628,22 +663,28 @@ class Cluster(Collector):
     def lost_ownership(self, why: str) -> None:
         """Stop serving at once and register again: another node holds our worker id."""
         log.error("this node no longer owns its worker id: %s", why)
-        self._slot.close(f"worker id lost: {why}; registering again")
-        self._needs_register = True
+        self._close_to_register(f"worker id lost: {why}; registering again")
+
+    def _close_to_register(self, reason: str) -> None:
+        # Under the gate's lock: a heartbeat under way (another thread) must not open
+        # the gate again after this (see _heartbeat).
+        with self._gate_lock:
+            self._needs_register = True
+            self._closures += 1
+            self._slot.close(reason)
 
     def _on_state(self, state: str) -> None:
         # Runs on kazoo's thread: record and return, never block.
         self._events[state.lower()] += 1
         if state == KazooState.LOST:
-            self._slot.close("the ZooKeeper session was lost; registering again")
-            self._needs_register = True
+            self._close_to_register("the ZooKeeper session was lost; registering again")
             # Usually reconnected at once; if not, _tick replaces the client in time.
             if self._suspended_since is None:
                 self._suspended_since = self._gate()
         elif state == KazooState.SUSPENDED:
             if self._suspended_since is None:
                 self._suspended_since = self._gate()
-            self._slot.closed_reason = "ZooKeeper unreachable for longer than the session allows"
+            self._slot.closed_reason = UNREACHABLE
         else:
             self._suspended_since = None
         log.log(logging.INFO if state == KazooState.CONNECTED else logging.WARNING,
@@ -657,14 +698,27 @@ class Cluster(Collector):
 
     def _supervise(self) -> None:
         while not self._stop.wait(self._every or min(1.0, self.session_timeout / 4)):
-            try:
-                self._tick()
-            except (StartupRefused, StartupDeferred) as e:
-                log.error("cannot register again yet: %s", e)
-            except (KazooException, KazooTimeoutError) as e:
-                log.warning("ZooKeeper supervision: %s; trying again", describe_zk_error(e))
-            except Exception as e:  # noqa: BLE001 - retried on the next tick
-                log.warning("ZooKeeper supervision: %s: %s", type(e).__name__, e)
+            self._supervised_tick()
+
+    def _supervised_tick(self) -> None:
+        """One tick of the supervision thread; what fails is logged and tried again."""
+        try:
+            self._tick()
+        except (StartupRefused, StartupDeferred) as e:
+            self._register_failed(str(e))
+        except (KazooException, KazooTimeoutError) as e:
+            log.warning("ZooKeeper supervision: %s; trying again", describe_zk_error(e))
+        except Exception as e:  # noqa: BLE001 - retried on the next tick
+            log.warning("ZooKeeper supervision: %s: %s", type(e).__name__, e)
+
+    def _register_failed(self, why: str) -> None:
+        """A stopped node fails to register again at every tick (up to one a second):
+        say each reason once, and again at most every ``_REPEAT_LOG_S``."""
+        now, last = self._gate(), self._register_problem
+        if last is not None and last[0] == why and now - last[1] < _REPEAT_LOG_S:
+            return
+        log.error("cannot register again yet: %s (trying again at each tick)", why)
+        self._register_problem = (why, now)
 
     def _tick(self) -> None:
         suspended = self._suspended_since
@@ -688,6 +742,7 @@ class Cluster(Collector):
     def _heartbeat(self) -> None:
         node = self._node
         assert node is not None
+        closures = self._closures
         sent = self._gate()
         stat = self._client.exists_async(node).get(timeout=_OP_TIMEOUT_S)
         session = self._client.client_id
@@ -698,45 +753,29 @@ class Cluster(Collector):
             return  # another session answered than the one whose timeout we know
         if stat is None or stat.ephemeralOwner != session[0]:
             log.error("our registration %s is gone or not ours any more", node)
-            self._slot.close(f"registration {node} lost; registering again")
-            self._needs_register = True
+            self._close_to_register(f"registration {node} lost; registering again")
             return
         # The server heard from our session after `sent`: the node is ours until at
         # least sent + session timeout (the granted one); stop a little earlier.
         assert timeout is not None
         self._last_contact = sent
         if self._layout_stop is not None:
-            return  # closed until the recorded layout is ours again (_keep_layout)
-        self._slot.open_until = sent + 0.9 * timeout
-        self._slot.closed_reason = "ZooKeeper unreachable for longer than the session allows"
+            return  # closed until the recorded layout is ours again (_apply_layout)
+        with self._gate_lock:
+            # A mark write refused (lost_ownership, the reservation's thread) or a lost
+            # session since the request was sent: the answer proves nothing any more.
+            if self._needs_register or self._closures != closures:
+                return
+            self._slot.open_until = sent + 0.9 * timeout
+            self._slot.closed_reason = UNREACHABLE
 
     def _keep_layout(self) -> None:
-        """Stop handing out ids while the recorded layout is not this node's, serve again
-        once it is, and record a deleted one again (see :meth:`_record_layout_again`).
+        """Apply the layout record while serving (see :meth:`_apply_layout`).
 
         One read, given a quarter of the session timeout: it runs between two heartbeats,
         whose gap (this, the tick's interval of at most a quarter, the heartbeat) stays
-        well inside the gate's 0.9 x session timeout. A record that cannot be read, or is
-        not a layout, changes nothing: the node stays as it was, and says so once."""
-        path, bound = self._layout_path, min(self._wait, self.session_timeout / 4)
-        try:
-            data, _ = self._call(f"reading the layout in {path}", "get", path, timeout_s=bound)
-            recorded = _parse_layout(path, data)
-        except NoNodeError:
-            self._record_layout_again(bound)
-            return
-        except (ZooKeeperSilent, KazooException, KazooTimeoutError) as e:
-            self._layout_unread(_unanswered(e, bound))
-            return
-        except StartupRefused as e:
-            self._layout_unread(str(e))
-            return
-        self._layout_problem = None
-        self._last_record = recorded
-        if recorded == self._layout:
-            self._serve_for_layout()
-        else:
-            self._stop_for_layout(recorded)
+        well inside the gate's 0.9 x session timeout."""
+        self._apply_layout(_SERVING, min(self._wait, self.session_timeout / 4))
 
     def _layout_unread(self, why: str) -> None:
         if why != self._layout_problem:
@@ -762,14 +801,35 @@ class Cluster(Collector):
                 _layout_data(self._layout).decode(),
             )  # fmt: skip
         self._layout_stop = reason
+        self._settle_from = None
         self._slot.close(reason)
 
     def _serve_for_layout(self) -> None:
-        if self._layout_stop is not None:
-            log.warning(
-                "the cluster's layout in %s is this node's again: serving", self._layout_path
+        """The record is this node's layout: serve, but a node stopped for its layout
+        only once its own layout has been read for ``0.9 x session timeout``.
+
+        Why wait: the record was just changed back to this node's layout, from one of
+        another layout whose nodes may still serve (their ticks may be late); each of
+        them stops at its next read of the record, and at the latest when its gate
+        closes, 0.9 x session timeout after its last heartbeat, which it sent before
+        this read. Past that time after the first matching read, none of them serves,
+        whatever their ticks did; serving at once could overlap with them."""
+        if self._layout_stop is None:
+            return
+        now = self._gate()
+        if self._settle_from is None:
+            self._settle_from = now
+        settle = 0.9 * self.session_timeout
+        if now - self._settle_from < settle:
+            self._slot.closed_reason = (
+                f"the cluster's layout in {self._layout_path} is this node's again; serving "
+                f"{settle:g} s after it was first read so, once the nodes of the other "
+                "layout have stopped"
             )
-            self._layout_stop = None
+            return
+        log.warning("the cluster's layout in %s is this node's again: serving", self._layout_path)
+        self._layout_stop = None
+        self._settle_from = None
 
     def _record_layout_again(self, bound: float) -> None:
         """The layout znode is gone: record again the layout this node read there last
@@ -779,7 +839,8 @@ class Cluster(Collector):
         record that stopped it, so that its own write never lets it serve again (nor
         stops the nodes of that layout). Its state is left to the next read."""
         path, record = self._layout_path, self._last_record
-        assert record is not None, "read at start"
+        if record is None:
+            return  # nothing read yet: nothing this node could vouch for
         try:
             self._call(
                 f"recording the layout in {path} again", "create", path, _layout_data(record),
@@ -815,7 +876,8 @@ class Cluster(Collector):
             path = f"{self._marks}/{previous}"
             if restore_marks(self._client, path, marks, clock_sequence, self._layout, self._wait):
                 log.warning("put the high-water mark of worker id %d back: %s", previous, path)
-        self._register(preferred=previous, patient=False)
+        self._register(preferred=previous, patient=False, phase=_AGAIN)
+        self._register_problem = None
         log.warning("registered again as worker %d", self._slot.settings.worker_id)
 
     def _restart_client(self) -> None:

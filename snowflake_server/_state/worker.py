@@ -66,6 +66,7 @@ class Worker:
         wait: Callable[[float], object] | None = None,
         remote: tuple[MarkStore, int] | None = None,
         first_start_waited: float | None = None,
+        before_first_write: Callable[[], None] | None = None,
     ) -> Worker:
         """Take the worker's host lock, lock its state, honour its marks (waiting for
         the clock if it is behind them, or raising ``StartupRefused``), reserve ahead
@@ -83,6 +84,10 @@ class Worker:
         ``sleep`` is the generator's (waits of a ms while serving); ``wait`` (default:
         ``sleep``) the start-up waits', which a stop may end by raising
         ``StartupInterrupted``: nothing is reserved or written before they are over.
+
+        ``before_first_write`` is called once every wait is over, right before the
+        first mark is written (cluster mode confirms the cluster's layout there); if it
+        raises, nothing is reserved or written and the locks are given back.
         """
         wait = sleep if wait is None else wait
         dc = settings.datacenter_id
@@ -148,6 +153,8 @@ class Worker:
                 reservation.startup_wait_s = wait_for_clock(
                     resume_after, clock, wait, settings.max_startup_wait, source
                 )
+            if before_first_write is not None:
+                before_first_write()
             generator.raise_ceiling(reservation.reserve(clock()), value)
             reservation.start(generator)
             undo.pop_all()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,7 +121,13 @@ def _collected(*collectors: Collector) -> str:
     return generate_latest(registry).decode()
 
 
-def _no_worker(worker_id: int, remote: tuple[MarkStore, int], waited: float | None) -> Worker:
+def _no_worker(
+    worker_id: int,
+    remote: tuple[MarkStore, int],
+    waited: float | None,
+    *,
+    before_first_write: Callable[[], None] | None = None,
+) -> Worker:
     raise AssertionError("collecting metrics never opens a worker")
 
 

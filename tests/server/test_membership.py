@@ -188,11 +188,15 @@ def member(zookeeper: ZooKeeper, zk_path: str, tmp_path: Path) -> Iterator[Make]
         slot = WorkerSlot(settings.ids, clock=gate)
 
         def open_worker(
-            worker_id: int, remote: tuple[MarkStore, int], waited: float | None
+            worker_id: int,
+            remote: tuple[MarkStore, int],
+            waited: float | None,
+            *,
+            before_first_write: Callable[[], None] | None = None,
         ) -> Worker:
             return Worker.open(
                 settings.worker, worker_id, clock=clock, sleep=clock.sleep, remote=remote,
-                first_start_waited=waited,
+                first_start_waited=waited, before_first_write=before_first_write,
             )  # fmt: skip
 
         clients: list[WatchedClient] = []
@@ -829,12 +833,13 @@ def test_only_a_node_whose_layout_is_not_the_recorded_one_stops_issuing(
     narrow.tick()  # a heartbeat proves the session, but the gate stays closed
     assert not narrow.slot.serving
     zk.set(record, json.dumps(layout_to_json(Layout(**OTHER_LAYOUT))).encode())
-    narrow.tick()
-    log_events.wait_for(f"the cluster's layout in {record} is this node's again: serving")
-    narrow.tick()
-    assert narrow.slot.serving
     default.tick()
     assert not default.slot.serving
+    narrow.tick()  # its layout again: serving once the other layout's gates closed
+    narrow.gate.advance(OPEN_FOR)
+    narrow.tick()
+    log_events.wait_for(f"the cluster's layout in {record} is this node's again: serving")
+    assert narrow.slot.serving
 
 
 def layout_json(**bits: int) -> bytes:
@@ -882,11 +887,14 @@ def test_a_wrong_record_stops_every_node_within_a_tick_and_writing_it_back_resum
     assert not b.slot.serving
     assert zk.get(record)[0] == layout_json(**OTHER_LAYOUT), "not written back"
     zk.set(record, layout_json())  # the operator writes the right layout back
-    a.gate.advance(1)
     a.tick()
-    assert a.slot.serving, "resumed at the next tick"
+    assert not a.slot.serving, "not before the other layout's gates closed"
+    a.gate.advance(OPEN_FOR)
+    a.tick()
+    assert a.slot.serving, "resumed once settled"
     log_events.wait_for(f"the cluster's layout in {record} is this node's again: serving")
-    b.gate.advance(1)
+    b.tick()
+    b.gate.advance(OPEN_FOR)
     b.tick()
     assert b.slot.serving
 
@@ -950,37 +958,167 @@ def test_a_record_changed_during_the_start_up_waits_refuses_before_serving(
     )
     assert node.sleeps == [1.0] and node.slot.worker is None and not node.slot.serving
     assert zk.exists(f"{zk_path}/nodes/0/2") is None
+    assert zk.exists(f"{zk_path}/marks/0/2") is None, "no mark written"
 
 
-def test_a_newcomer_on_an_empty_tree_unrecords_its_layout_when_marks_of_another_come_back(
+def test_a_newcomer_on_an_empty_tree_records_its_layout_only_before_its_first_mark(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    """A record written before the waits could stay unconfirmed for good (a lost reply,
+    a kill -9 during the wait) and refuse the cluster's nodes coming back."""
+    record = f"{zk_path}/layout"
+    seen: list[object] = []
+
+    def waiting(_: float) -> None:
+        seen.append(zk.exists(record))
+
+    node = member(worker_id=2, first_start_wait=1.0, on_sleep=waiting).join()
+    assert seen == [None], "nothing recorded before the wait"
+    assert layout_of(zk, zk_path) == Layout() and node.slot.serving
+    assert zk.exists(f"{zk_path}/marks/0/2") is not None
+
+
+def test_a_newcomer_whose_layout_differs_from_marks_put_back_during_its_wait_writes_nothing(
     member: Make, zk: KazooClient, zk_path: str
 ) -> None:
     """ZooKeeper lost its data: a misconfigured newcomer recorded its own layout, and
     the cluster's nodes, putting their marks back, were refused by that record forever."""
-    record = f"{zk_path}/layout"
     theirs = json.dumps({"mark_ms": T0, "layout": layout_to_json(Layout())}).encode()
 
     def mark_put_back(_: float) -> None:
-        assert layout_of(zk, zk_path) == Layout(**OTHER_LAYOUT), "recorded alone"
         zk.create(f"{zk_path}/marks/0/5", theirs, makepath=True)
 
     newcomer = member(worker_id=2, first_start_wait=1.0, on_sleep=mark_put_back, **OTHER_LAYOUT)
     with pytest.raises(StartupRefused) as info:
         newcomer.join()
-    assert str(info.value) == (
-        f"Layout insanity: this node recorded its layout ({NARROW}) in {record} finding no "
-        f"record and no high-water mark, but marks of another layout were put back "
-        f"meanwhile ({DEFAULT}: marks/0/5): ZooKeeper lost its data and the cluster's nodes "
-        "are coming back; deleted the record (they record their layout again): start with "
-        "the cluster's --epoch and --*-bits"
+    assert str(info.value).startswith(
+        f"Layout insanity: this node would make ids with {NARROW}, but the cluster "
+        f"({zk_path}/layout, recorded from its marks) makes them with {DEFAULT}"
     )
-    assert zk.exists(record) is None and zk.exists(f"{zk_path}/nodes/0/2") is None
-    assert zk.exists(f"{zk_path}/marks/0/2") is None, "nothing written"
-    member(worker_id=5).join()  # the mark's node: its layout recorded from the marks
-    assert layout_of(zk, zk_path) == Layout()
+    assert layout_of(zk, zk_path) == Layout(), "the marks' layout"
+    assert zk.exists(f"{zk_path}/nodes/0/2") is None
+    assert zk.exists(f"{zk_path}/marks/0/2") is None, "no mark written"
+    assert newcomer.slot.worker is None
+    member(worker_id=5).join()  # the mark's node
 
 
-def test_a_lone_record_is_deleted_when_the_start_fails_before_it_is_confirmed(
+def test_two_newcomers_of_two_layouts_on_an_empty_tree_one_records_the_other_writes_nothing(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    nodes: list[Member] = []
+
+    def other_starts(_: float) -> None:
+        if len(nodes) == 1:  # during the first one's wait: the second starts and records
+            nodes.append(member(worker_id=3, **OTHER_LAYOUT).join())
+
+    nodes.append(member(worker_id=2, first_start_wait=1.0, on_sleep=other_starts))
+    with pytest.raises(StartupRefused, match=f"makes them with {re.escape(NARROW)}"):
+        nodes[0].join()
+    assert layout_of(zk, zk_path) == Layout(**OTHER_LAYOUT) and nodes[1].slot.serving
+    assert zk.exists(f"{zk_path}/marks/0/2") is None and zk.exists(f"{zk_path}/nodes/0/2") is None
+    assert nodes[0].slot.worker is None
+
+
+def test_a_stopped_node_of_another_layout_registering_again_never_records_its_layout(
+    member: Make, zookeeper: ZooKeeper, zk: KazooClient, zk_path: str
+) -> None:
+    """A stopped wrong-layout node whose own mark was put back first recorded its layout
+    from the marks when registering again, and took the cluster over."""
+    narrow = member(worker_id=3, **OTHER_LAYOUT).join()
+    record = f"{zk_path}/layout"
+    zk.set(record, layout_json())  # the cluster's layout
+    narrow.tick()
+    assert not narrow.slot.serving, "stopped for its layout"
+    zk.delete(record)  # ZooKeeper lost its data: the record and the marks
+    zk.delete(f"{zk_path}/marks/0/3")
+    end_session(zookeeper, expire(narrow))
+    with pytest.raises(StartupRefused, match="Layout insanity"):
+        narrow.tick()  # its mark put back first, then the record as it last read it
+    assert zk.exists(f"{zk_path}/marks/0/3") is not None, "its mark was put back"
+    assert layout_of(zk, zk_path) == Layout(), "the record it last read, not the marks'"
+    assert not narrow.slot.serving
+
+
+def test_a_node_registering_again_rewrites_a_missing_record_as_it_last_read_it(
+    member: Make, zookeeper: ZooKeeper, zk: KazooClient, zk_path: str
+) -> None:
+    node = member(worker_id=2).join()
+    zk.delete(f"{zk_path}/layout")
+    end_session(zookeeper, expire(node))
+    node.tick()
+    assert layout_of(zk, zk_path) == Layout() and node.slot.serving
+
+
+def test_a_layout_stop_reopens_only_after_the_other_layouts_gates_closed(
+    member: Make, zk: KazooClient, zk_path: str, log_events: LogEvents
+) -> None:
+    """A node of the old layout whose tick is late serves until its gate closes, 0.9 x
+    session timeout after its last heartbeat: reopening at once overlapped with it."""
+    node = member(worker_id=2).join()
+    record = f"{zk_path}/layout"
+    zk.set(record, layout_json(**OTHER_LAYOUT))
+    node.tick()
+    zk.set(record, layout_json())
+    node.gate.advance(1)
+    node.tick()  # the first matching read
+    assert not node.slot.serving
+    assert "is this node's again" in (node.slot.unavailable_reason() or "")
+    node.gate.advance(OPEN_FOR - 1.01)
+    node.tick()
+    assert not node.slot.serving, "still within the settle time"
+    zk.set(record, layout_json(**OTHER_LAYOUT))  # changed again meanwhile: starts over
+    node.tick()
+    zk.set(record, layout_json())
+    node.tick()
+    node.gate.advance(0.02)
+    node.tick()
+    assert not node.slot.serving, "counted from the last first matching read"
+    node.gate.advance(OPEN_FOR)
+    node.tick()
+    assert node.slot.serving
+
+
+def test_a_mark_write_refused_during_a_heartbeat_keeps_the_gate_closed(
+    member: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lost_ownership (the reservation's thread) between the tick's check and the
+    heartbeat's answer: the heartbeat opened the gate again."""
+    node = member(worker_id=2).join()
+    real = node.client.exists_async
+
+    def refused_meanwhile(path: str, *args: Any, **kwargs: Any) -> Any:
+        node.cluster.lost_ownership("a mark write was refused")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(node.client, "exists_async", refused_meanwhile)
+    node.gate.advance(1)
+    node.tick()
+    assert not node.slot.serving and node.cluster._needs_register
+
+
+def test_failures_to_register_again_are_logged_once_per_reason_and_minute(
+    member: Make, zookeeper: ZooKeeper, zk: KazooClient, zk_path: str, log_events: LogEvents
+) -> None:
+    node = member(worker_id=2).join()
+    zk.set(f"{zk_path}/layout", layout_json(**OTHER_LAYOUT))
+    end_session(zookeeper, expire(node))
+
+    def said() -> int:
+        return sum("cannot register again yet: Layout insanity" in m for m in log_events.messages)
+
+    node.cluster._supervised_tick()
+    node.cluster._supervised_tick()
+    assert said() == 1
+    node.gate.advance(60)
+    node.cluster._supervised_tick()
+    assert said() == 2
+    zk.set(f"{zk_path}/layout", b"garbage")
+    node.cluster._supervised_tick()
+    assert sum("cannot register again yet: the cluster's layout" in m
+               for m in log_events.messages) == 1, "another reason: said at once"  # fmt: skip
+
+
+def test_an_interrupted_first_start_leaves_no_record(
     member: Make, zk: KazooClient, zk_path: str
 ) -> None:
     """An interrupted start must not leave a record the next start would take as the
@@ -994,22 +1132,6 @@ def test_a_lone_record_is_deleted_when_the_start_fails_before_it_is_confirmed(
     with pytest.raises(StartupInterrupted):
         nodes[0].join()
     assert zk.exists(f"{zk_path}/layout") is None
-
-
-def test_a_record_changed_by_another_node_is_not_unrecorded(
-    member: Make, zk: KazooClient, zk_path: str
-) -> None:
-    record = f"{zk_path}/layout"
-
-    def rewritten(_: float) -> None:
-        zk.set(record, layout_json(**OTHER_LAYOUT))  # an operator, meanwhile
-        zk.create(f"{zk_path}/marks/0/5", other_layouts_mark(T0, 1288834974657, **OTHER_LAYOUT),
-                  makepath=True)  # fmt: skip
-
-    node = member(worker_id=2, first_start_wait=1.0, on_sleep=rewritten)
-    with pytest.raises(StartupRefused, match="marks of another layout were put back"):
-        node.join()
-    assert layout_of(zk, zk_path) == Layout(**OTHER_LAYOUT), "not ours to delete"
 
 
 def test_a_node_registering_again_says_why_when_the_record_is_not_its_layout(
@@ -1027,6 +1149,9 @@ def test_a_node_registering_again_says_why_when_the_record_is_not_its_layout(
         "the same ids"
     )
     zk.set(record, layout_json())
+    node.tick()
+    assert node.slot.worker is not None and not node.slot.serving, "registered, settling"
+    node.gate.advance(OPEN_FOR)
     node.tick()
     assert node.slot.serving and node.cluster._layout_stop is None
 
@@ -1440,3 +1565,36 @@ def test_an_interrupt_ends_the_wait_for_zookeeper(member: Make) -> None:
     assert isinstance(error, StartupInterrupted), error
     assert str(error) == "stopping while connecting to ZooKeeper; not registered"
     assert node.cluster.client is None and not node.client.connected
+
+
+def test_a_record_deleted_while_registering_again_is_written_back_at_the_confirmation(
+    member: Make,
+    zookeeper: ZooKeeper,
+    zk: KazooClient,
+    zk_path: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    node = member(worker_id=2).join()
+    record = f"{zk_path}/layout"
+    apply_layout = Cluster._apply_layout
+
+    def deleted_after(self: Cluster, phase: str, bound: float | None = None) -> None:
+        apply_layout(self, phase, bound)
+        zk.delete(record)  # before the worker's first mark
+
+    monkeypatch.setattr(Cluster, "_apply_layout", deleted_after)
+    end_session(zookeeper, expire(node))
+    node.tick()
+    assert layout_of(zk, zk_path) == Layout() and node.slot.worker is not None
+
+
+def test_a_node_registering_again_with_no_record_read_writes_none(
+    member: Make, zookeeper: ZooKeeper, zk: KazooClient, zk_path: str
+) -> None:
+    node = member(worker_id=2).join()
+    node.cluster._last_record = None  # as if it never read one
+    zk.delete(f"{zk_path}/layout")
+    end_session(zookeeper, expire(node))
+    with pytest.raises(StartupDeferred, match="read no record to write back"):
+        node.tick()
+    assert zk.exists(f"{zk_path}/layout") is None and zk.exists(f"{zk_path}/nodes/0/2") is None
