@@ -31,6 +31,15 @@ from .supervisor import Supervisor
 __all__ = ["main"]
 
 
+_ENDINGS: tuple[tuple[type[Exception], str, ExitCode], ...] = (
+    (ConfigurationError, "error", ExitCode.CONFIGURATION),
+    (StartupRefused, "refusing to start", ExitCode.UNSAFE),
+    (StartupDeferred, "cannot start now, try again", ExitCode.TRY_AGAIN),
+    (StartupInterrupted, "stopped while starting", ExitCode.STOPPED),
+)
+"""How a start that did not happen ends: what stderr says first, and the exit code."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``snowflake-server``."""
     # SIGHUP (a log rotation) must not end a server still starting: ignored until the
@@ -38,10 +47,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         settings = load_settings(argv, os.environ)
-    except ConfigurationError as e:
-        print(f"snowflake-server: error: {e}", file=sys.stderr)
-        return ExitCode.CONFIGURATION
-    try:
         log_file = configure_logging(settings.logging)
         # Read from the machine once, here: a child of the supervisor gets its id as a
         # number, and where the supervisor read it from.
@@ -52,18 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return Supervisor(settings, log_file, origin=origin).run()
         die_with_supervisor(os.environ)
         return serve(settings, log_file, origin=origin)
-    except ConfigurationError as e:
-        print(f"snowflake-server: error: {e}", file=sys.stderr)
-        return ExitCode.CONFIGURATION
-    except StartupRefused as e:
-        print(f"snowflake-server: refusing to start: {e}", file=sys.stderr)
-        return ExitCode.UNSAFE
-    except StartupDeferred as e:
-        print(f"snowflake-server: cannot start now, try again: {e}", file=sys.stderr)
-        return ExitCode.TRY_AGAIN
-    except StartupInterrupted as e:
-        print(f"snowflake-server: stopped while starting: {e}", file=sys.stderr)
-        return ExitCode.STOPPED
+    except tuple(kind for kind, _, _ in _ENDINGS) as e:
+        said, code = next((said, code) for kind, said, code in _ENDINGS if isinstance(e, kind))
+        print(f"snowflake-server: {said}: {e}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":
