@@ -486,28 +486,48 @@ def test_a_restarted_process_not_ready_in_time_gets_sigterm_then_sigkill(
         child.reap()
 
 
-class BrokenAdmin:
-    """An admin port that answers every request with ``answer`` and closes."""
+class FakeAdmin:
+    """A stand-in for a child's admin port on 127.0.0.1: :meth:`answer` serves each
+    request, one at a time on one thread (as a child's event loop does), or each on a
+    thread of its own (``threaded``)."""
 
-    def __init__(self, answer: bytes) -> None:
-        self._answer = answer
+    def __init__(self, *, threaded: bool = False) -> None:
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        self._threaded = threaded
+        threading.Thread(target=self._accept, daemon=True).start()
 
-    def _serve(self) -> None:
+    def _accept(self) -> None:
         while True:
             try:
                 connection, _ = self._sock.accept()
             except OSError:
                 return
-            with connection:
-                connection.recv(4096)
-                connection.sendall(self._answer)
+            if self._threaded:
+                threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+            else:
+                self._serve(connection)
+
+    def _serve(self, connection: socket.socket) -> None:
+        with connection:
+            self.answer(connection, connection.recv(4096))
+
+    def answer(self, connection: socket.socket, request: bytes) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         self._sock.close()
+
+
+class BrokenAdmin(FakeAdmin):
+    """An admin port that answers every request with ``answer`` and closes."""
+
+    def __init__(self, answer: bytes) -> None:
+        self._answer = answer
+        super().__init__()
+
+    def answer(self, connection: socket.socket, request: bytes) -> None:
+        connection.sendall(self._answer)
 
 
 def sleeper() -> subprocess.Popen[str]:
@@ -807,7 +827,7 @@ def test_a_process_whose_reaping_failed_is_reaped_before_it_is_restarted(
         process.wait()
 
 
-class OneThreadAdmin:
+class OneThreadAdmin(FakeAdmin):
     """An admin port served one request at a time on one thread, as a child's is (its
     event loop): rendering ``/metrics`` there takes ``render_s``, and whatever asks
     meanwhile (``/livez``) waits behind it. Records the paths asked."""
@@ -816,26 +836,15 @@ class OneThreadAdmin:
         self._render = threading.Event()
         self._render_s = render_s
         self.asked: list[str] = []
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                connection, _ = self._sock.accept()
-            except OSError:
-                return
-            with connection:
-                path = connection.recv(4096).split(b" ")[1].decode()
-                self.asked.append(path)
-                if path == "/metrics":
-                    self._render.wait(self._render_s)  # the CPU the render takes
-                with contextlib.suppress(OSError):
-                    connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}")
-
-    def close(self) -> None:
-        self._sock.close()
+    def answer(self, connection: socket.socket, request: bytes) -> None:
+        path = request.split(b" ")[1].decode()
+        self.asked.append(path)
+        if path == "/metrics":
+            self._render.wait(self._render_s)  # the CPU the render takes
+        with contextlib.suppress(OSError):
+            connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}")
 
 
 def test_the_rounds_ask_no_metrics_so_a_slow_render_never_fails_a_livez() -> None:
@@ -855,41 +864,29 @@ def test_the_rounds_ask_no_metrics_so_a_slow_render_never_fails_a_livez() -> Non
         child.reap()
 
 
-class DrippingAdmin:
+class DrippingAdmin(FakeAdmin):
     """An admin port that answers every request slowly, a byte every 0.1 s for 10 s
     (each read is quick; the answer is not), on a thread per connection."""
 
     def __init__(self) -> None:
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
         self._closed = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(threaded=True)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
-
-    def _answer(self, connection: socket.socket) -> None:
-        with connection:
-            connection.recv(4096)
-            try:
-                connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\n")
-                for _ in range(100):
-                    # The drip's pace; the client's close (readable: its end) ends it.
-                    readable, _, _ = select.select([connection], [], [], 0.1)
-                    if readable or self._closed.is_set():
-                        return
-                    connection.sendall(b"x")
-            except OSError:
-                return
+    def answer(self, connection: socket.socket, request: bytes) -> None:
+        try:
+            connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\n")
+            for _ in range(100):
+                # The drip's pace; the client's close (readable: its end) ends it.
+                readable, _, _ = select.select([connection], [], [], 0.1)
+                if readable or self._closed.is_set():
+                    return
+                connection.sendall(b"x")
+        except OSError:
+            return
 
     def close(self) -> None:
         self._closed.set()
-        self._sock.close()
+        super().close()
 
 
 def test_a_dripping_answer_is_cut_at_its_deadline_and_never_asked_twice_at_once(
