@@ -474,19 +474,18 @@ def serve(
         node.drain()
 
     def reload() -> None:
-        if not serving.is_set():
-            # systemd takes READY=1 after a reload for "started": not before we serve.
-            if log_file is not None:
-                log_file.reopen()
-            node.reload()
-            return
-        notifier.reloading()
+        # systemd takes READY=1 after a reload for "started": tell it nothing before we
+        # serve.
+        tell = serving.is_set()
+        if tell:
+            notifier.reloading()
         try:
             if log_file is not None:
                 log_file.reopen()
             node.reload()
         finally:
-            notifier.reloaded("serving")
+            if tell:
+                notifier.reloaded("serving")
 
     # From the first line: a SIGTERM during a start-up wait stops cleanly (exit 0, the
     # registration removed), never by the default action that leaves it behind.
