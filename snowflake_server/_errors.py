@@ -8,7 +8,6 @@
     ├── StartupDeferred                     cannot start yet, nothing unsafe: try again (exit 75)
     ├── StartupInterrupted                  a stop signal arrived while starting (exit 0)
     ├── TimestampOverflowError              the layout's timestamp bits ran out
-    ├── WouldBlock                          internal: a call must wait; run it off the event loop
     └── RequestError                        a request that cannot be served; declared in the IDL
         ├── ClockMovedBackwardsError        -> InvalidSystemClock
         ├── InvalidUserAgentError           -> InvalidUserAgentError
@@ -48,7 +47,6 @@ __all__ = [
     "StartupRefused",
     "TimestampOverflowError",
     "UnavailableError",
-    "WouldBlock",
 ]
 
 
@@ -88,10 +86,3 @@ class TimestampOverflowError(SnowflakeError):
 class ReservationError(UnavailableError):
     """The high-water mark could not be moved past the next id's time, or the
     generator was shut down."""
-
-
-class WouldBlock(SnowflakeError):
-    """Internal, never seen by a client: a call made on a thread that must not wait
-    (the event loop's) would have to wait longer than a ms or for a new
-    reservation. Nothing was issued or counted; run the same call again on a
-    thread that may wait."""

@@ -38,18 +38,20 @@ from .._cluster.membership import Cluster, advertised_address
 from .._cluster.zkmarks import describe_zk_error
 from .._config.settings import ServerSettings
 from .._errors import ConfigurationError, StartupDeferred, StartupInterrupted
+from .._http.admin import AdminServer
 from .._ids.clocks import wall_clock_ms
 from .._ids.generator import IdSource
-from .._observability.admin import AdminServer
 from .._observability.audit import AuditLog
 from .._observability.logs import LogFile
 from .._observability.metrics import ConnectionStats, ServiceMetrics
 from .._observability.probes import Check, Liveness, Readiness
+from .._service import SnowflakeHandler
+from .._serving.listeners import check_open_files, listen_socket
+from .._serving.tls import server_context
 from .._state.reservation import MarkStore
 from .._state.worker import CurrentReservation, Worker, WorkerSlot
-from .._thrift.handler import Processor, SnowflakeHandler, service_methods
-from .._thrift.server import ThriftServer, check_open_files, listen_socket
-from .._thrift.tls import server_context
+from .._thrift.processor import Processor, service_methods
+from .._thrift.server import ThriftServer
 from .._version import __version__
 from .node_id import WorkerIdOrigin, configured_origin
 from .notify import Notifier

@@ -57,11 +57,11 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from .._config.settings import ServerSettings
 from .._errors import StartupDeferred, StartupInterrupted
-from .._observability.admin import AdminServer
+from .._http.admin import AdminServer
 from .._observability.logs import LogFile
 from .._observability.metrics import counter_by
 from .._observability.probes import Readiness
-from .._thrift.server import check_open_files, listen_socket, started_threads
+from .._serving.listeners import check_open_files, listen_socket, started_threads
 from .child import (
     FIRST_DELAY_S,
     KILL_WAIT_S,

@@ -36,11 +36,11 @@ from .._errors import (
     InvalidCountError,
     InvalidUserAgentError,
     UnavailableError,
-    WouldBlock,
 )
+from .._ids.generator import WouldBlock
 from .._observability.metrics import NO_METHOD, ConnectionStats
+from .._service import SnowflakeHandler
 from .._state.statefile import layout_fields
-from .._thrift.handler import SnowflakeHandler
 from .openapi import openapi_document
 
 __all__ = ["MAX_HEADERS", "MAX_HEAD_BYTES", "BadRequest", "HttpApi", "response"]

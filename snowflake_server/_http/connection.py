@@ -10,7 +10,7 @@ that cannot be trusted (malformed, too large) gets its error and a close.
 
 from __future__ import annotations
 
-from .._errors import WouldBlock
+from .._ids.generator import WouldBlock
 from .._observability.metrics import NO_METHOD
 from .._thrift.connection import Connection, Refused, Shared
 from .api import MAX_HEAD_BYTES, MAX_HEADERS, RETRY_AFTER_S, BadRequest, HttpApi, error

@@ -32,7 +32,6 @@ from .._errors import (
     InvalidCountError,
     ReservationError,
     TimestampOverflowError,
-    WouldBlock,
 )
 from .clocks import pause, wall_clock_ms
 
@@ -41,6 +40,7 @@ __all__ = [
     "GeneratorSettings",
     "IdGenerator",
     "IdSource",
+    "WouldBlock",
     "forbid_waiting",
     "pick_clock_sequence",
     "waiting_forbidden",
@@ -53,6 +53,13 @@ log = logging.getLogger(__name__)
 # before anything is claimed or counted. Read only on those slow paths, never per id.
 _no_waiting = threading.local()
 _LOOP_WAIT_LIMIT_MS = 1
+
+
+class WouldBlock(Exception):
+    """Internal, never seen by a client (so outside the ``SnowflakeError`` tree): a
+    call made on a thread that must not wait (the event loop's) would have to wait
+    longer than a ms or for a new reservation. Nothing was issued or counted; run
+    the same call again on a thread that may wait."""
 
 
 def forbid_waiting(forbidden: bool = True) -> None:

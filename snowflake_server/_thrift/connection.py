@@ -28,12 +28,12 @@ from typing import cast
 
 from thriftpy2.thrift import TApplicationException
 
-from .._errors import WouldBlock
+from .._ids.generator import WouldBlock
 from .._observability.metrics import ConnectionStats, ServiceMetrics
+from .._serving.tls import TlsSession
 from .fastpath import SEQID_AT, SEQID_END, match_get_id
-from .handler import Processor, encode_error, frame
+from .processor import Processor, encode_error, frame
 from .scanner import Malformed, MessageScanner, TooLarge
-from .tls import TlsSession
 
 __all__ = ["Connection", "Shared"]
 

@@ -15,8 +15,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from snowflake_server._config.settings import AdminSettings
 from snowflake_server._errors import ConfigurationError
-from snowflake_server._observability import admin as admin_module
-from snowflake_server._observability.admin import AdminServer
+from snowflake_server._http import admin as admin_module
+from snowflake_server._http.admin import AdminServer
 from tests.support.endpoints import read_to_close
 from tests.support.processes import parse_metrics
 from tests.support.waiting import wait_until

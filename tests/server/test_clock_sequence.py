@@ -14,8 +14,7 @@ from snowflake_server import (
     Layout,
     ReservationError,
 )
-from snowflake_server._errors import WouldBlock
-from snowflake_server._ids.generator import forbid_waiting, pick_clock_sequence
+from snowflake_server._ids.generator import WouldBlock, forbid_waiting, pick_clock_sequence
 from tests.support.fakes import FakeClock
 
 T0 = 1_700_000_000_000

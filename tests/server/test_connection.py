@@ -32,10 +32,11 @@ from snowflake_server._http.connection import HttpConnection
 from snowflake_server._ids.clocks import wall_clock_ms
 from snowflake_server._ids.generator import forbid_waiting
 from snowflake_server._observability.metrics import NO_METHOD, ServiceMetrics
+from snowflake_server._service import SnowflakeHandler
+from snowflake_server._serving.listeners import new_event_loop, started_threads
 from snowflake_server._thrift import connection
 from snowflake_server._thrift.connection import Shared
-from snowflake_server._thrift.handler import Processor, SnowflakeHandler, service_methods
-from snowflake_server._thrift.server import new_event_loop, started_threads
+from snowflake_server._thrift.processor import Processor, service_methods
 from tests.support.endpoints import encode_call
 from tests.support.fakes import FakeTransport
 from tests.support.inprocess import InProcessServer
@@ -186,7 +187,7 @@ def test_without_uvloop_the_standard_loop_serves(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now raises ImportError
-    with caplog.at_level(logging.INFO, logger="snowflake_server._thrift.server"):
+    with caplog.at_level(logging.INFO, logger="snowflake_server._serving.listeners"):
         loop = new_event_loop()
     try:
         assert type(loop).__module__.startswith("asyncio")
@@ -198,7 +199,7 @@ def test_without_uvloop_the_standard_loop_serves(
 def test_the_server_raises_its_own_open_file_limit_to_fit_its_connections() -> None:
     code = (
         "import resource\n"
-        "from snowflake_server._thrift.server import check_open_files\n"
+        "from snowflake_server._serving.listeners import check_open_files\n"
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
         "check_open_files(1000)\n"

@@ -15,8 +15,9 @@ from thriftpy2.transport import TCyMemoryBuffer
 
 from snowflake_server import GeneratorSettings, IdGenerator
 from snowflake_server._observability.metrics import ConnectionStats, ServiceMetrics
+from snowflake_server._service import SnowflakeHandler
 from snowflake_server._thrift.fastpath import match_get_id
-from snowflake_server._thrift.handler import Processor, SnowflakeHandler, frame, service_methods
+from snowflake_server._thrift.processor import Processor, frame, service_methods
 from tests.support.fakes import FakeClock
 
 T0 = 1_700_000_000_000

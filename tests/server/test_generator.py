@@ -23,8 +23,7 @@ from snowflake_server import (
     TimestampOverflowError,
     decompose,
 )
-from snowflake_server._errors import WouldBlock
-from snowflake_server._ids.generator import forbid_waiting, waiting_forbidden
+from snowflake_server._ids.generator import WouldBlock, forbid_waiting, waiting_forbidden
 from tests.support.fakes import FakeClock
 from tests.support.waiting import run_in_thread
 

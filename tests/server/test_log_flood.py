@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from snowflake_server._thrift.server import SPARE_FDS
+from snowflake_server._serving.listeners import SPARE_FDS
 from tests.support.processes import parse_metrics, spawn_server, start_server
 from tests.support.waiting import wait_until
 
@@ -79,7 +79,7 @@ def test_the_open_file_limit_is_checked_in_process() -> None:
     if hard == resource.RLIM_INFINITY:
         pytest.skip("no hard limit on open files here")
     from snowflake_server._errors import ConfigurationError
-    from snowflake_server._thrift.server import check_open_files
+    from snowflake_server._serving.listeners import check_open_files
 
     with pytest.raises(ConfigurationError, match=r"needs \d+ open files"):
         check_open_files(hard - SPARE_FDS + 1)

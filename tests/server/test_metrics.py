@@ -12,7 +12,7 @@ from snowflake_thrift_client._transports import Transport
 
 from snowflake_server import GeneratorSettings, IdGenerator
 from snowflake_server._observability.metrics import OVERFLOW_AGENT, ServiceMetrics
-from snowflake_server._thrift.handler import service_methods
+from snowflake_server._thrift.processor import service_methods
 from tests.support.inprocess import InProcessServer
 from tests.support.processes import failures, parse_metrics, start_server
 from tests.support.waiting import wait_until

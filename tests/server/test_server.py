@@ -18,7 +18,8 @@ from thriftpy2.transport import TTransportException
 
 from snowflake_server import ConfigurationError, ServerSettings, decompose
 from snowflake_server._ids.clocks import wall_clock_ms
-from snowflake_server._thrift.server import ThriftServer, started_threads
+from snowflake_server._serving.listeners import started_threads
+from snowflake_server._thrift.server import ThriftServer
 from tests.support.endpoints import encode_call
 from tests.support.fakes import FakeClock
 from tests.support.inprocess import InProcessServer

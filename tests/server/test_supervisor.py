@@ -54,7 +54,7 @@ from snowflake_server._errors import (
     StartupInterrupted,
     StartupRefused,
 )
-from snowflake_server._thrift.server import started_threads
+from snowflake_server._serving.listeners import started_threads
 from tests.support.endpoints import free_port, unique_scope
 from tests.support.processes import (
     Load,

@@ -43,8 +43,8 @@ from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .._config.settings import AdminSettings
-from .._thrift.server import listen_socket
-from .metrics import counter_by
+from .._observability.metrics import counter_by
+from .._serving.listeners import listen_socket
 
 __all__ = ["AdminServer", "Live", "Ready"]
 
