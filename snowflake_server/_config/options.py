@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigurationError
-from .._state.statefile import default_state_dir
 from .._version import __version__
 from .settings import (
     AUTO_WORKER_ID,
@@ -38,12 +37,19 @@ __all__ = [
     "OPTIONS",
     "Option",
     "build_parser",
+    "default_state_dir",
     "layout_from",
     "load_settings",
     "worker_id_text",
 ]
 
 ENV_PREFIX = "SNOWFLAKE_"
+
+
+def default_state_dir(environ: Mapping[str, str]) -> Path:
+    """``$XDG_STATE_HOME/snowflake``, else ``~/.local/state/snowflake``."""
+    base = environ.get("XDG_STATE_HOME") or str(Path(environ.get("HOME", "~")) / ".local/state")
+    return Path(base).expanduser() / "snowflake"
 
 
 def _worker_id(text: str) -> int | FromMachine:
