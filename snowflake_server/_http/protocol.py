@@ -50,8 +50,8 @@ class HttpProtocol:
     def fast(self, data: bytes) -> bytes | None:
         return None  # parsing is a fraction of a call: every request goes the one way
 
-    def mid_request(self, buf: bytearray) -> bool:
-        return bool(buf) or self._parser.mid_request
+    def pending(self, buf: bytearray) -> bool:
+        return bool(buf or self._parsed) or self._parser.mid_request
 
     def next_request(self, buf: bytearray, pos: int) -> tuple[Request | None, int]:
         if self.closes:

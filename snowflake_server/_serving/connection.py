@@ -73,8 +73,9 @@ class Protocol(Interface):
     def refusal(self, error: Refused) -> bytes:
         """The bytes that tell the client why it is refused, before the close."""
 
-    def mid_request(self, buf: bytearray) -> bool:
-        """Part of a request was received (the request deadline runs)."""
+    def pending(self, buf: bytearray) -> bool:
+        """Bytes or requests were received and not yet answered (part of a request:
+        the request deadline runs)."""
 
 
 @dataclass(eq=False)
@@ -223,7 +224,7 @@ class Connection(asyncio.Protocol):
         if self._stats is not None and not self._closing and tls and tls.mid_handshake:
             self._stats.count_exception("tls_error", NO_METHOD)
             log.info("closing connection from %s: it hung up during its TLS handshake", self._peer)
-        elif self._stats is not None and not self._closing and self._mid_request():
+        elif self._stats is not None and not self._closing and self._pending():
             self._stats.count_exception("protocol_error", NO_METHOD)
             log.info("closing connection from %s: it hung up in the middle of a call", self._peer)
         elif exc is not None:
@@ -298,11 +299,11 @@ class Connection(asyncio.Protocol):
         self._update_fast()
 
     def _has_work(self) -> bool:
-        return bool(self._inbox) or self._mid_request()
+        return bool(self._inbox) or self._pending()
 
-    def _mid_request(self) -> bool:
+    def _pending(self) -> bool:
         protocol = self._protocol
-        return protocol is not None and protocol.mid_request(self._buf)
+        return protocol is not None and protocol.pending(self._buf)
 
     def _to_thread(self, request: Any) -> None:
         """Make the call again on a worker thread; this connection waits for it."""
@@ -433,7 +434,7 @@ class Connection(asyncio.Protocol):
             self._quiet_checks += 1
         # The request deadline: the same request still partly received, however many
         # bytes trickled in meanwhile.
-        if self._mid_request() and not self._busy and self._served == self._served_seen:
+        if self._pending() and not self._busy and self._served == self._served_seen:
             self._partial_checks += 1
         else:
             self._partial_checks = 0

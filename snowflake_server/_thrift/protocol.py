@@ -76,7 +76,7 @@ class ThriftProtocol:
         except WouldBlock:
             return None  # served as any request that must wait
 
-    def mid_request(self, buf: bytearray) -> bool:
+    def pending(self, buf: bytearray) -> bool:
         return bool(buf)
 
     def next_request(self, buf: bytearray, pos: int) -> tuple[bytes | None, int]:
