@@ -205,6 +205,16 @@ OPTIONS: tuple[Option, ...] = (
            "On SIGTERM, report not ready (/readyz 503) at once but serve on for this "
            "many seconds, so that load balancers and clients move away first; then stop "
            "accepting and finish the calls in flight. 0: stop at once.", "SECONDS"),
+    Option("ready_max_lag", _number,
+           "Report not ready (/readyz 503, reason overloaded) while the serving loop lags "
+           "more than this: the median over 5 s of how late its 0.1 s timer fires; ready "
+           "again once it is back to half of this. One slow moment never counts, a loop "
+           "stalled for 2.4 s does.", "SECONDS"),
+    Option("live_max_stall", _number,
+           "Report the process wedged (/livez 503: restart it) once its serving loop has "
+           "not turned for this long. At least 10 s, so that no client can get nodes "
+           "restarted cheaply; an overloaded node leaves the rotation by readiness "
+           "instead.", "SECONDS"),
     Option("state_dir", str,
            "Directory of the state files holding each worker's high-water mark "
            "(default: $XDG_STATE_HOME/snowflake or ~/.local/state/snowflake).", "DIR"),
@@ -298,7 +308,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("security", ("tls_cert", "tls_key", "tls_client_ca", "audit_log", "audit_queue")),
     ("limits", ("max_connections", "http_max_connections", "max_frame_size", "max_batch",
                 "max_agents")),
-    ("observability", ("metrics_host", "metrics_port", "log_level", "log_format", "log_file")),
+    ("observability", ("metrics_host", "metrics_port", "ready_max_lag", "live_max_stall",
+                       "log_level", "log_format", "log_file")),
 )  # fmt: skip
 """The ``--help`` sections, each naming its options in the order shown."""
 

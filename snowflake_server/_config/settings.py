@@ -5,7 +5,8 @@ ever holds settings that cannot work (``dataclasses.replace`` checks again).
 Each layer receives only its part: :attr:`ServerSettings.ids` (the
 generator), :attr:`~ServerSettings.worker` (state file and start-up wait),
 :attr:`~ServerSettings.cluster` (ZooKeeper), :attr:`~ServerSettings.thrift`
-(the Thrift server), :attr:`~ServerSettings.admin` (metrics and health) and
+(the Thrift server), :attr:`~ServerSettings.admin` (metrics and health),
+:attr:`~ServerSettings.probes` (what readiness and liveness watch) and
 :attr:`~ServerSettings.audit`.
 """
 
@@ -30,6 +31,7 @@ __all__ = [
     "ClusterSettings",
     "FromMachine",
     "LogSettings",
+    "ProbeSettings",
     "ServerSettings",
     "ServingSettings",
     "WorkerSettings",
@@ -42,6 +44,14 @@ HTTP_OFF = -1
 STANDALONE_FIRST_START_WAIT_S = 5.0
 UNBOUNDED_SKEW_WAIT_S = 10.0  # Twitter's start-up sleep, where no skew bound derives one
 """``--http-port`` by default: no HTTP/JSON API."""
+READY_WINDOW_S = 5.0
+"""The window over which the serving loop's lag is judged for readiness."""
+MIN_LIVE_MAX_STALL_S = 10.0
+"""The least ``--live-max-stall``: below it a client that can hold the loop a few
+seconds could get nodes restarted (losing their connections) at will."""
+# A stalled loop reads as overloaded within half the ready window: it must leave the
+# rotation well before liveness restarts it.
+assert READY_WINDOW_S < MIN_LIVE_MAX_STALL_S
 
 
 class FromMachine(enum.Enum):
@@ -164,6 +174,17 @@ class AdminSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ProbeSettings:
+    """What readiness and liveness watch of the serving loop: its lag, judged over
+    ``window_s``, above ``max_lag_s`` makes the node unready; no turn for
+    ``max_stall_s`` makes it wedged."""
+
+    max_lag_s: float
+    max_stall_s: float
+    window_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class LogSettings:
     """Where the log goes, and how it is written (``file`` empty: standard error)."""
 
@@ -210,6 +231,8 @@ class ServerSettings:
     log_format: str = "text"
     log_file: str = ""
     drain_seconds: float = 0.0
+    ready_max_lag: float = 0.25
+    live_max_stall: float = 30.0
     state_dir: str = ""
     max_startup_wait: float = 10.0
     sequence_start: Literal["zero", "random"] = "zero"
@@ -258,6 +281,7 @@ class ServerSettings:
         if self.first_start_wait is not None:
             _seconds("first_start_wait", self.first_start_wait, positive=False, unbounded=False)
         _seconds("drain_seconds", self.drain_seconds, positive=False, unbounded=False)
+        _probes(self.ready_max_lag, self.live_max_stall)
         _one_of("transport", self.transport, ("framed", "buffered"))
         _one_of("sequence_start", self.sequence_start, ("zero", "random"))
         _one_of("log_level", self.log_level, LOG_LEVELS)
@@ -338,6 +362,10 @@ class ServerSettings:
         return AdminSettings(self.metrics_host, self.metrics_port, self.max_agents)
 
     @property
+    def probes(self) -> ProbeSettings:
+        return ProbeSettings(self.ready_max_lag, self.live_max_stall, READY_WINDOW_S)
+
+    @property
     def logging(self) -> LogSettings:
         return LogSettings(self.log_level, self.log_format, self.log_file)
 
@@ -408,6 +436,23 @@ def _seconds(name: str, value: object, *, positive: bool, unbounded: bool) -> No
         raise ConfigurationError(f"{name} {rule} (a number of seconds), got {value!r}")
     if math.isinf(value) and not unbounded:
         raise ConfigurationError(f"{name} must be a finite number of seconds, got {value!r}")
+
+
+def _probes(max_lag: float, max_stall: float) -> None:
+    _seconds("ready_max_lag", max_lag, positive=True, unbounded=False)
+    _seconds("live_max_stall", max_stall, positive=True, unbounded=False)
+    if max_stall < MIN_LIVE_MAX_STALL_S:
+        raise ConfigurationError(
+            f"live_max_stall must be at least {MIN_LIVE_MAX_STALL_S:g} s, got {max_stall:g}: "
+            "a shorter one would let a client that holds the serving loop for that long "
+            "get the node restarted, and every connection on it dropped, whenever it likes "
+            "(an overloaded node leaves the rotation through readiness instead)"
+        )
+    if max_lag >= max_stall:
+        raise ConfigurationError(
+            f"ready_max_lag ({max_lag:g} s) must be below live_max_stall ({max_stall:g} s): "
+            "a node whose loop stalls must leave the rotation before it is restarted"
+        )
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -234,3 +234,33 @@ def test_the_first_start_wait_is_derived_unless_given(tmp_path: Path) -> None:
         ServerSettings(first_start_wait=-1.0)
     help_text = " ".join(build_parser().format_help().split())
     assert "0: no wait. (env SNOWFLAKE_FIRST_START_WAIT)" in help_text, "no default shown"
+
+
+def test_the_probes_settings_and_their_narrow_view(tmp_path: Path) -> None:
+    defaults = ServerSettings().probes
+    assert (defaults.max_lag_s, defaults.max_stall_s, defaults.window_s) == (0.25, 30.0, 5.0)
+    config = tmp_path / "snowflake.toml"
+    config.write_text("ready-max-lag = 0.5\nlive_max_stall = 60\n")
+    s = load_settings(["--ready-max-lag", "1"], {"SNOWFLAKE_CONFIG": str(config)})
+    assert (s.probes.max_lag_s, s.probes.max_stall_s) == (1.0, 60.0)
+    s = load_settings([], {"SNOWFLAKE_LIVE_MAX_STALL": "10", "SNOWFLAKE_READY_MAX_LAG": ".1"})
+    assert (s.probes.max_lag_s, s.probes.max_stall_s) == (0.1, 10.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # Cheap restarts: a client holding the loop for a few seconds must not get them.
+        (["--live-max-stall", "9.5"], r"--live-max-stall: invalid value '9\.5': "
+         r"live_max_stall must be at least 10 s, got 9\.5: a shorter one would let a client"),
+        (["--live-max-stall", "inf"], "live_max_stall must be a finite number of seconds"),
+        (["--ready-max-lag", "0"], "--ready-max-lag: invalid value '0': .*must be positive"),
+        (["--ready-max-lag", "inf"], "ready_max_lag must be a finite number of seconds"),
+        (["--ready-max-lag", "12", "--live-max-stall", "12"],
+         r"--ready-max-lag \(12 s\) must be below --live-max-stall \(12 s\): a node whose "
+         "loop stalls must leave the rotation before it is restarted"),
+    ],
+)  # fmt: skip
+def test_probes_that_would_restart_nodes_cheaply_are_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        load_settings(argv, {})

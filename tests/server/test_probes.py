@@ -1,10 +1,12 @@
-"""What /readyz and /livez are built from: the node's phase and checks, the loop's beat."""
+"""What /readyz and /livez are built from: the node's phase and checks, the loop's lag
+and whether it turns (with a fake clock: each tick of the serving loop is told by hand)."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.registry import CollectorRegistry
 
-from snowflake_server._observability.probes import Liveness, Phase, Readiness
+from snowflake_server._observability.probes import LoopWatch, Phase, Readiness
 from tests.support.fakes import SecondsClock
 
 
@@ -56,17 +58,164 @@ def test_a_check_is_not_asked_before_the_node_serves() -> None:
     assert readiness.reason() is None and asked == [1]
 
 
-def test_the_process_is_wedged_only_when_its_loop_stops_beating() -> None:
+# -- the serving loop: lag (readiness) and turning (liveness) ----------------------------
+
+INTERVAL_S = 0.1
+WINDOW_S = 5.0
+
+
+def watch_with(clock: SecondsClock, max_lag_s: float = 0.25) -> LoopWatch:
+    return LoopWatch(
+        max_lag_s=max_lag_s, max_stall_s=30, window_s=WINDOW_S, interval_s=INTERVAL_S, clock=clock
+    )
+
+
+def run(watch: LoopWatch, clock: SecondsClock, seconds: float, late_s: float = 0.0) -> None:
+    """The loop turns for ``seconds``, each tick's timer firing ``late_s`` late."""
+    end = clock.now + seconds - 1e-9
+    while clock.now + INTERVAL_S + late_s <= end + 1e-6:
+        clock.advance(INTERVAL_S + late_s)
+        watch.turned(late_s)
+
+
+def gauges(watch: LoopWatch) -> tuple[float | None, float | None, float | None]:
+    """(snowflake_loop_lag_seconds, snowflake_loop_lag_max_seconds, snowflake_loop_overloaded)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(watch)
+    return (
+        registry.get_sample_value("snowflake_loop_lag_seconds"),
+        registry.get_sample_value("snowflake_loop_lag_max_seconds"),
+        registry.get_sample_value("snowflake_loop_overloaded"),
+    )
+
+
+def test_a_loop_that_never_turned_is_alive_ready_and_lags_nothing() -> None:
     clock = SecondsClock()
-    liveness = Liveness(max_stall_s=30, clock=clock)
-    assert liveness.reason() is None, "starting: alive"
-    liveness.beat()
-    clock.advance(30)
-    assert liveness.reason() is None
+    watch = watch_with(clock)
+    clock.advance(3600)  # a start-up that takes long has its own limits
+    assert watch.unready() is None and watch.wedged() is None
+    assert gauges(watch) == (0, 0, 0)
+
+
+def test_a_steady_lag_reads_as_itself_and_over_the_limit_makes_the_node_unready() -> None:
+    clock = SecondsClock()
+    watch = watch_with(clock)
+    run(watch, clock, 10, late_s=0.2)
+    assert watch.unready() is None, "0.2 s is under --ready-max-lag 0.25 s"
+    assert gauges(watch) == (pytest.approx(0.2), pytest.approx(0.2), 0)
+    run(watch, clock, 10, late_s=0.8)
+    assert watch.unready() == (
+        "overloaded: the serving loop has lagged 0.80 s (the median over the last 5 s) "
+        "against --ready-max-lag 0.25 s; ready again at 0.125 s or less"
+    )
+    assert gauges(watch) == (pytest.approx(0.8), pytest.approx(0.8), 1)
+    assert watch.wedged() is None, "a lagging loop still turns: alive"
+
+
+def test_one_slow_tick_never_makes_the_node_unready() -> None:
+    clock = SecondsClock()
+    watch = watch_with(clock)
+    run(watch, clock, 10)
+    clock.advance(INTERVAL_S + 2.0)  # a 2 s pause: a GC, a page fault, a slow syscall
+    watch.turned(2.0)
+    for _ in range(50):  # every moment the pause stays in the window (5 s)
+        assert watch.unready() is None
+        lag, worst, overloaded = gauges(watch)
+        assert (lag, overloaded) == (0, 0) and worst == pytest.approx(2.0)
+        run(watch, clock, INTERVAL_S)
+    assert gauges(watch) == (0, 0, 0), "the pause has left the window"
+
+
+def test_pauses_that_hold_the_loop_most_of_the_time_make_it_unready() -> None:
+    """A loop frozen 3 s of every 5 s, quick in between: a mean per tick would read
+    0.15 s (one slow tick among twenty quick ones); over time it lags 3 s."""
+    clock = SecondsClock()
+    watch = watch_with(clock)
+    run(watch, clock, 5)
+    for _ in range(3):
+        clock.advance(INTERVAL_S + 3.0)
+        watch.turned(3.0)
+        run(watch, clock, 2)
+    assert watch.unready() is not None
+    assert gauges(watch) == (pytest.approx(3.0), pytest.approx(3.0), 1)
+
+
+def test_the_node_is_ready_again_only_once_the_lag_is_well_under_the_limit() -> None:
+    clock = SecondsClock()
+    watch = watch_with(clock)
+    run(watch, clock, 5, late_s=0.3)
+    assert watch.unready() is not None
+    run(watch, clock, 10, late_s=0.2)  # under the limit, but not by half: no flapping
+    why = watch.unready()
+    assert why is not None and "lagged 0.20 s" in why
+    assert gauges(watch)[2] == 1
+    run(watch, clock, 10, late_s=0.125)
+    assert watch.unready() is None and gauges(watch) == (
+        pytest.approx(0.125),
+        pytest.approx(0.125),
+        0,
+    )
+    run(watch, clock, 10, late_s=0.2)  # back near the limit, from below: still ready
+    assert watch.unready() is None
+
+
+def test_a_loop_that_stops_turning_reads_as_lagging_then_as_wedged() -> None:
+    clock = SecondsClock()
+    watch = watch_with(clock)
+    run(watch, clock, 10)
+    clock.advance(2.0)  # no tick since: the one awaited is 1.9 s late so far
+    assert watch.unready() is None, "2 s are less than half the window"
+    assert gauges(watch) == (0, pytest.approx(1.9), 0)
     clock.advance(0.5)
-    assert liveness.reason() == "the serving loop has not turned for 30.5 s"
-    liveness.beat()
-    assert liveness.reason() is None
+    assert watch.unready() is not None and gauges(watch)[0] == pytest.approx(2.4)
+    clock.advance(27.5)  # 30 s without a turn: not yet wedged
+    assert watch.wedged() is None
+    assert gauges(watch) == (pytest.approx(29.9), pytest.approx(29.9), 1)
+    clock.advance(1.0)
+    assert watch.wedged() == ("the serving loop has not turned for 31.0 s (--live-max-stall 30 s)")
+    # It turns again: alive at once; ready once quick ticks cover half the window.
+    watch.turned(30.9)
+    assert watch.wedged() is None and watch.unready() is not None
+    run(watch, clock, 2.4)
+    assert watch.unready() is not None
+    run(watch, clock, 0.2)
+    assert watch.unready() is None
+
+
+def test_a_loop_at_rest_is_alive_and_its_lag_forgotten() -> None:
+    clock = SecondsClock()
+    watch = watch_with(clock)
+    run(watch, clock, 10, late_s=1.0)
+    assert watch.unready() is not None
+    watch.rest()  # the node stops serving: its stop has its own limits
     clock.advance(100)
-    liveness.rest()  # stopped serving: its stop has its own limits
-    assert liveness.reason() is None
+    assert watch.unready() is None and watch.wedged() is None
+    assert gauges(watch) == (0, 0, 0)
+    watch.turned(0.0)  # serving again: the old lag does not come back
+    assert watch.unready() is None and gauges(watch) == (0, 0, 0)
+    clock.advance(30.5)
+    assert watch.wedged() is not None
+
+
+def test_a_timer_firing_early_counts_as_on_time_and_too_many_ticks_are_bounded() -> None:
+    clock = SecondsClock()
+    watch = watch_with(clock)
+    for _ in range(10_000):  # a caller ticking far more often than it said it would
+        clock.advance(0.001)
+        watch.turned(-0.001)
+    assert gauges(watch) == (0, 0, 0)
+    assert len(watch._ticks) <= 2 * WINDOW_S / INTERVAL_S + 2
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"max_lag_s": 0, "max_stall_s": 30},
+        {"max_lag_s": 0.25, "max_stall_s": 0},
+        {"max_lag_s": 0.25, "max_stall_s": 30, "interval_s": 0},
+        {"max_lag_s": 0.25, "max_stall_s": 30, "interval_s": 5, "window_s": 5},
+    ],
+)
+def test_a_watch_that_cannot_measure_is_refused(arguments: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="need max_lag_s > 0"):
+        LoopWatch(**arguments)  # type: ignore[arg-type]
