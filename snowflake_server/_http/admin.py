@@ -14,7 +14,10 @@ reached, and a slow-loris of open connections reached it. Each connection
 gets one request, answered and closed within ``request_timeout`` seconds; at
 most ``max_connections`` are open, the oldest still sending its request making
 room for a new one (a flood of silent connections cannot starve a probe).
-Connections closed unanswered are counted.
+Connections closed unanswered are counted. Requests are parsed by the API's
+strict parser (:mod:`.parser`) and answered by its response builder
+(:mod:`.responses`): a request it cannot trust gets its status and a close; HEAD
+gets the headers a GET would (``/metrics`` too).
 
 It accepts on its own loop rather than asyncio's ``create_server``: out of file
 descriptors (EMFILE, ENFILE), asyncio's accept logged a traceback for each of up
