@@ -46,9 +46,9 @@ __all__ = [
 ]
 
 LIMITED_LOGGERS = (
+    "snowflake_server._serving",
     "snowflake_server._thrift",
     "snowflake_server._http",
-    "snowflake_server._http.admin",
     "asyncio",
 )
 """The loggers (and their children) whose lines are rate limited: those a client's

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from snowflake_thrift_client._transports import address_family
 
+from .._config.settings import PEER_CHECK_SLOTS
 from .._errors import ConfigurationError
 
 __all__ = [
@@ -87,10 +88,11 @@ def check_open_files(connections: int) -> None:
         return
     if hard != resource.RLIM_INFINITY and hard < wanted:
         raise ConfigurationError(
-            f"--max-connections {connections} needs {wanted} open files ({SPARE_FDS} "
+            f"serving {connections} connections (--max-connections, {PEER_CHECK_SLOTS} kept for "
+            f"peer checks, --http-max-connections) needs {wanted} open files ({SPARE_FDS} "
             f"besides the connections), but the open-file limit is {soft} (soft) / {hard} "
             f"(hard): raise it (`ulimit -n {wanted}`; LimitNOFILE={wanted} in a systemd "
-            f"unit) or lower --max-connections to {max(1, hard - SPARE_FDS)} or less"
+            f"unit) or lower those limits by {wanted - hard} or more"
         )
     resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 

@@ -70,7 +70,7 @@ async def off_loop(function: Callable[[], T]) -> T:
 
 
 def open_connections(server: InProcessServer) -> float:
-    return counts(server)["snowflake_connections_open"]
+    return counts(server)['snowflake_connections_open{protocol="thrift"}']
 
 
 def accepted(server: InProcessServer) -> float:

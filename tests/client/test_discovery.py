@@ -51,7 +51,7 @@ def test_servers_can_come_from_a_discovery_callable(
         assert pool.servers == [address(two)]
     assert asked == [1000.0, 1005.0], "asked once per refresh interval, not per call"
     wait_until(
-        lambda: counts(one)["snowflake_connections_open"] == 0,
+        lambda: counts(one)['snowflake_connections_open{protocol="thrift"}'] == 0,
         "the server that left to see its idle connection closed",
         timeout_s=10,
     )

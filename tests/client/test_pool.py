@@ -180,7 +180,7 @@ def test_idle_connections_the_server_closed_are_reopened_transparently(
     with SnowflakePool(address(server)) as pool:
         first = pool.next_id()
         wait_until(
-            lambda: counts(server)["snowflake_connections_open"] == 0,
+            lambda: counts(server)['snowflake_connections_open{protocol="thrift"}'] == 0,
             "the server to close the pool's idle connection",
             timeout_s=10,
         )

@@ -144,12 +144,12 @@ def test_keep_alive_serves_pipelined_requests_in_order(http: Http) -> None:
 @pytest.mark.parametrize(
     ("request_", "status"),
     [
-        (b"POST /v1/id?agent=a HTTP/1.1\r\nConnection: close\r\n\r\n", b"405"),
+        (b"POST /v1/id?agent=a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"405"),
         (b"GET /v1/id HTTP/2.0\r\n\r\n", b"505"),
         (b"NOT A REQUEST\r\n\r\n", b"400"),
         (b"GET /v1/id HTTP/1.1\r\nbad header\r\n\r\n", b"400"),
-        (b"GET /v1/id HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", b"501"),
-        (b"GET /v1/id HTTP/1.1\r\nContent-Length: 5000\r\n\r\n", b"413"),
+        (b"GET /v1/id HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", b"501"),
+        (b"GET /v1/id HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n", b"413"),
         (b"GET /v1/id HTTP/1.1\r\nContent-Length: x\r\n\r\n", b"400"),
         (b"GET /v1/id HTTP/1.1\r\n" + b"X: y\r\n" * 70 + b"\r\n", b"431"),
         (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", b"431"),
@@ -165,7 +165,7 @@ def test_requests_it_cannot_serve_get_an_error(http: Http, request_: bytes, stat
 
 
 def test_head_answers_without_a_body(http: Http) -> None:
-    answer = http.raw(b"HEAD /v1/layout HTTP/1.1\r\nConnection: close\r\n\r\n")
+    answer = http.raw(b"HEAD /v1/layout HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK") and body == b""
     assert int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0]) > 0

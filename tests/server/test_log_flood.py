@@ -69,9 +69,10 @@ def test_an_open_file_limit_below_max_connections_is_refused_at_start() -> None:
         stderr.seek(0)
         log = stderr.read()
         stderr.close()
-    assert "--max-connections 1000 needs 1128 open files" in log, log
-    assert "512 (soft) / 512 (hard)" in log and "LimitNOFILE=1128" in log
-    assert "lower --max-connections to 384 or less" in log
+    assert "serving 1008 connections (--max-connections, 8 kept for peer checks" in log, log
+    assert "needs 1136 open files" in log
+    assert "512 (soft) / 512 (hard)" in log and "LimitNOFILE=1136" in log
+    assert "lower those limits by 624 or more" in log
 
 
 def test_the_open_file_limit_is_checked_in_process() -> None:

@@ -71,7 +71,7 @@ def test_counts_from_open_and_closed_connections_add_up() -> None:
     assert counts['snowflake_request_duration_seconds_bucket{le="1.0",method="get_id"}'] == 1
     assert counts['snowflake_request_duration_seconds_bucket{le="+Inf",method="get_id"}'] == 2
     assert counts['snowflake_request_duration_seconds_count{method="get_id"}'] == 2
-    assert counts["snowflake_connections_open"] == 1
+    assert counts['snowflake_connections_open{protocol="thrift"}'] == 1
     assert counts["snowflake_connections_accepted_total"] == 2
     assert (counts["snowflake_worker_id"], counts["snowflake_datacenter_id"]) == (5, 2)
 
@@ -147,19 +147,22 @@ def test_scraped_metrics_match_the_calls_made(transport: Transport) -> None:
             'snowflake_request_duration_seconds_count{method="get_layout"}': 0,
             'snowflake_clock_backwards_total{action="refused"}': 0,
             "snowflake_worker_id": 3,
-            "snowflake_connections_open": 1,
+            'snowflake_connections_open{protocol="thrift"}': 1,
         }
         counts = parse_metrics(server.metrics())  # the connection is still open
         assert {k: counts[k] for k in expected} == expected
         client.close()
         # The server's connection thread sees the close a moment later.
         wait_until(
-            lambda: parse_metrics(server.metrics())["snowflake_connections_open"] == 0,
+            lambda: (
+                parse_metrics(server.metrics())['snowflake_connections_open{protocol="thrift"}']
+                == 0
+            ),
             "the closed connection counted out",
             5,
         )
         after_close = parse_metrics(server.metrics())
-        expected["snowflake_connections_open"] = 0
+        expected['snowflake_connections_open{protocol="thrift"}'] = 0
         assert {k: after_close[k] for k in expected} == expected
     finally:
         assert server.stop() == 0

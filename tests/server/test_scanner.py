@@ -172,7 +172,7 @@ def test_the_values_walked_one_by_one_are_bounded_per_message(depth: int) -> Non
 
 
 def test_a_message_trickled_a_byte_at_a_time_is_walked_once() -> None:
-    encoded = message(shapes.Everything(texts=["x"] * 1000))
+    encoded = message(shapes.Everything(texts=["x"] * 50))
     scanner = MessageScanner(1 << 20)
     buf = bytearray()
     for byte in encoded[:-1]:
