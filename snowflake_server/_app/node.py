@@ -36,22 +36,24 @@ from prometheus_client.registry import Collector
 
 from .._cluster.membership import Cluster, advertised_address
 from .._cluster.zkmarks import describe_zk_error
-from .._config.settings import ServerSettings
+from .._config.settings import PEER_CHECK_SLOTS, ServerSettings
 from .._errors import ConfigurationError, StartupDeferred, StartupInterrupted
 from .._http.admin import AdminServer
+from .._http.protocol import HttpProtocol
 from .._ids.clocks import wall_clock_ms
 from .._ids.generator import IdSource
 from .._observability.audit import AuditLog
 from .._observability.logs import LogFile
 from .._observability.metrics import ConnectionStats, ServiceMetrics
-from .._observability.probes import Check, Liveness, Readiness
+from .._observability.probes import Check, LoopWatch, Readiness
 from .._service import SnowflakeHandler
 from .._serving.listeners import check_open_files, listen_socket
+from .._serving.server import Endpoint, Server
 from .._serving.tls import server_context
 from .._state.reservation import MarkStore
 from .._state.worker import CurrentReservation, Worker, WorkerSlot
 from .._thrift.processor import Processor, service_methods
-from .._thrift.server import ThriftServer
+from .._thrift.protocol import thrift_protocols
 from .._version import __version__
 from .node_id import WorkerIdOrigin, configured_origin
 from .notify import Notifier
@@ -203,11 +205,12 @@ class Node:
         self._zk_client_factory = zk_client_factory
         self._cleanup = contextlib.ExitStack()
         self._stopping = threading.Event()
-        self._server: ThriftServer | None = None
+        self._server: Server | None = None
         self._audit: AuditLog | None = None
         self.mode: Mode | None = None
         self.readiness = Readiness()
-        self.liveness = Liveness()
+        probes = settings.probes
+        self.loop_watch = LoopWatch(max_lag_s=probes.max_lag_s, max_stall_s=probes.max_stall_s)
         self.thrift_address = ("", 0)
         self.admin_address = ("", 0)
         self.http_address: tuple[str, int] | None = None
@@ -228,6 +231,7 @@ class Node:
         ports = self._bind_ports()
         mode = self._open_mode()
         self.readiness.add_check(mode.unavailable)
+        self.readiness.add_check(self.loop_watch.unready)
         metrics = ServiceMetrics(
             mode.source,
             service_methods(),
@@ -235,9 +239,7 @@ class Node:
             worker_id_source=self.origin.source,
         )
         self._audit = self._open_audit(mode)
-        self._server = self._open_thrift(mode, metrics, self._audit, ports)
-        self.thrift_address = self._server.bind()
-        self.http_address = self._server.http_address
+        self._server = self._open_server(mode, metrics, self._audit, ports)
         self.admin_address = self._open_admin(mode, metrics, ports.admin)
         mode.join(self.thrift_address[1], self._cleanup.callback)
         if self._stopping.is_set():  # asked after the last wait: serve nobody
@@ -249,15 +251,17 @@ class Node:
         """Every port, bound before any wait (a port in use fails at once) and not
         listening (a connection attempt is refused until the node can serve; the
         Thrift port is bound so that peers can dial us once we are registered)."""
-        thrift, admin = self.settings.thrift, self.settings.admin
-        check_open_files(thrift.max_connections)  # a limit too low is a setting: refuse now
+        serving, admin = self.settings.serving, self.settings.admin
+        check_open_files(serving.connection_slots)  # a limit too low is a setting: refuse now
         ports = _Ports()
         self._cleanup.callback(ports.close)  # the servers close them too, once given
-        ports.thrift = listen_socket(thrift.host, thrift.port, reuse_port=thrift.reuse_port)
-        if thrift.http:
+        ports.thrift = listen_socket(serving.host, serving.port, reuse_port=serving.reuse_port)
+        self.thrift_address = _address(ports.thrift)
+        if serving.http:
             ports.http = listen_socket(
-                thrift.http_host, thrift.http_port, reuse_port=thrift.reuse_port
+                serving.http_host, serving.http_port, reuse_port=serving.reuse_port
             )
+            self.http_address = _address(ports.http)
         ports.admin = listen_socket(admin.host, admin.port, reuse_port=False)
         return ports
 
@@ -280,30 +284,53 @@ class Node:
         mode.collectors.append(audit)
         return audit
 
-    def _open_thrift(
+    def _open_server(
         self, mode: Mode, metrics: ServiceMetrics, audit: AuditLog | None, ports: _Ports
-    ) -> ThriftServer:
-        source, clock = mode.source, self._clock
+    ) -> Server:
+        """The serving core with every client port: Thrift, and HTTP with ``--http-port``."""
+        source, clock, serving = mode.source, self._clock, self.settings.serving
 
-        def make_processor(stats: ConnectionStats) -> Processor:
-            return Processor(SnowflakeHandler(source, metrics, stats, clock, audit), stats)
+        def handler(stats: ConnectionStats) -> SnowflakeHandler:
+            return SnowflakeHandler(source, metrics, stats, clock, audit)
 
-        server = ThriftServer(
-            make_processor,
-            metrics,
-            self.settings.thrift,
-            tls=self._tls_context(),
-            heartbeat=self.liveness.beat,
-            bound=(ports.thrift, ports.http),
-        )
+        def processor(stats: ConnectionStats) -> Processor:
+            return Processor(handler(stats), stats)
+
+        assert ports.thrift is not None
+        endpoints = [
+            Endpoint(
+                "thrift",
+                ports.thrift,
+                thrift_protocols(
+                    processor, framed=serving.transport == "framed", limit=serving.max_frame_size
+                ),
+                serving.max_connections,
+                idle_timeout=serving.idle_timeout,
+                request_timeout=serving.request_timeout,
+                reserve=PEER_CHECK_SLOTS,
+            )
+        ]
+        if ports.http is not None:
+            endpoints.append(
+                Endpoint(
+                    "http",
+                    ports.http,
+                    lambda stats, _peer_check_only: HttpProtocol(handler(stats), stats),
+                    serving.http_max_connections,
+                    idle_timeout=serving.idle_timeout,
+                    request_timeout=serving.request_timeout,
+                )
+            )
+        ports.thrift = ports.http = None  # the server closes them from now on
+        server = Server(endpoints, metrics, tls=self._tls_context(), ticks=self.loop_watch)
         self._cleanup.callback(server.close)
         return server
 
     def _tls_context(self) -> ssl.SSLContext | None:
-        thrift = self.settings.thrift
-        if not thrift.tls_cert:
+        serving = self.settings.serving
+        if not serving.tls_cert:
             return None
-        return server_context(thrift.tls_cert, thrift.tls_key, thrift.tls_client_ca)
+        return server_context(serving.tls_cert, serving.tls_key, serving.tls_client_ca)
 
     def _open_admin(
         self, mode: Mode, metrics: ServiceMetrics, bound: socket.socket | None
@@ -321,9 +348,9 @@ class Node:
             }
 
         # The collectors list is read at each scrape: the cluster's joins it later.
-        registry = metrics.registry(_Each(mode.collectors), self.readiness)
+        registry = metrics.registry(_Each(mode.collectors), self.readiness, self.loop_watch)
         admin = AdminServer(
-            registry, self.settings.admin, ready=ready, live=self.liveness.reason, bound=bound
+            registry, self.settings.admin, ready=ready, live=self.loop_watch.wedged, bound=bound
         )
         registry.register(admin)
         admin.start()
@@ -333,10 +360,7 @@ class Node:
     def run(self) -> None:
         """Serve until :meth:`drain` or :meth:`request_stop`; calls in flight finish first."""
         assert self._server is not None, "start() first"
-        try:
-            self._server.serve_forever()
-        finally:
-            self.liveness.rest()
+        self._server.serve_forever()
 
     def drain(self) -> None:
         """Stop gracefully (SIGTERM): not ready at once, serving on for
@@ -359,7 +383,7 @@ class Node:
         """SIGHUP: new connections get the TLS certificate, key and client CA as the
         files now hold them (a file that does not load keeps the old ones, and the log
         says why); the audit trail goes to a fresh open of its file."""
-        if self._server is not None and self.settings.thrift.tls_cert:
+        if self._server is not None and self.settings.serving.tls_cert:
             try:
                 context = self._tls_context()
             except ConfigurationError as e:
@@ -389,6 +413,11 @@ class _Ports:
         for sock in (self.thrift, self.http, self.admin):
             if sock is not None:
                 sock.close()
+
+
+def _address(sock: socket.socket) -> tuple[str, int]:
+    host, port = sock.getsockname()[:2]
+    return str(host), int(port)
 
 
 class _Each(Collector):

@@ -215,7 +215,7 @@ class Supervisor(Collector):
         settings = self._settings
         # Each child raises its own limit; a limit too low for any of them is found here,
         # before anything starts.
-        check_open_files(settings.thrift.max_connections)
+        check_open_files(settings.serving.connection_slots)
         # Threads started now, not when a poll needs one (a host out of threads must not
         # read as children not answering). One per request of a round: a request still
         # running is not asked again (see poll_children). The metrics have their own:
@@ -239,7 +239,7 @@ class Supervisor(Collector):
         holders: list[socket.socket] = []
         try:
             holders.append(listen_socket(settings.host, settings.port, reuse_port=True))
-            if settings.thrift.http:
+            if settings.serving.http:
                 holders.append(
                     listen_socket(settings.http_host, settings.http_port, reuse_port=True)
                 )
@@ -288,7 +288,7 @@ class Supervisor(Collector):
         self._serving.set()
         metrics_host, metrics_port = admin.address
         log.info("%d processes serving on %s:%d", settings.processes, settings.host, port)
-        http = (settings.http_host, http_port) if settings.thrift.http else None
+        http = (settings.http_host, http_port) if settings.serving.http else None
         print(ready_line((settings.host, port), (metrics_host, metrics_port), http), flush=True)
         self._notifier.ready(f"{settings.processes} processes serving")
         try:

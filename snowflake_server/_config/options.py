@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigurationError
-from .._state.statefile import default_state_dir
 from .._version import __version__
 from .settings import (
     AUTO_WORKER_ID,
@@ -38,12 +37,19 @@ __all__ = [
     "OPTIONS",
     "Option",
     "build_parser",
+    "default_state_dir",
     "layout_from",
     "load_settings",
     "worker_id_text",
 ]
 
 ENV_PREFIX = "SNOWFLAKE_"
+
+
+def default_state_dir(environ: Mapping[str, str]) -> Path:
+    """``$XDG_STATE_HOME/snowflake``, else ``~/.local/state/snowflake``."""
+    base = environ.get("XDG_STATE_HOME") or str(Path(environ.get("HOME", "~")) / ".local/state")
+    return Path(base).expanduser() / "snowflake"
 
 
 def _worker_id(text: str) -> int | FromMachine:
@@ -149,6 +155,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("idle_timeout", _number,
            "Close a client connection idle for this many seconds (within a quarter more); "
            "0 never.", "SECONDS"),
+    Option("request_timeout", _number,
+           "Close a client connection whose request (a Thrift frame, an HTTP request line "
+           "and headers) is not whole this many seconds after its first byte (within a "
+           "quarter more), however it trickles in; 0 never.", "SECONDS"),
     Option("datacenter_id", _integer, "Datacenter id of this server (0..31 by default).", "N"),
     Option("worker_id", _worker_id,
            "Worker id of this server, unique within its datacenter (0..31 by default); "
@@ -252,8 +262,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("zk_connect_timeout", _number,
            "At start, refuse if ZooKeeper cannot be reached within this time.", "SECONDS"),
     Option("max_connections", _integer,
-           "Client connections served at once; further ones are closed at once and "
-           "counted.", "N"),
+           "Thrift connections served at once; further ones are closed at once and "
+           "counted (a few more are kept for joining nodes' peer checks).", "N"),
+    Option("http_max_connections", _integer,
+           "HTTP/JSON API connections served at once, apart from the Thrift ones; further "
+           "ones are closed at once and counted.", "N"),
     Option("max_batch", _integer,
            "Most ids one get_ids call may ask for, whatever the layout (at most "
            "2^sequence_bits are made per ms).", "N"),
@@ -282,7 +295,8 @@ OPTIONS: tuple[Option, ...] = (
 )  # fmt: skip
 
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("server", ("host", "port", "transport", "idle_timeout", "processes", "reuse_port",
+    ("server", ("host", "port", "transport", "idle_timeout", "request_timeout", "processes",
+                "reuse_port",
                 "drain_seconds", "http_host", "http_port")),
     ("ids & layout", ("datacenter_id", "worker_id", "force_node_id", "epoch", "timestamp_bits",
                       "datacenter_id_bits", "worker_id_bits", "sequence_bits",
@@ -292,7 +306,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cluster", ("zookeeper", "zk_path", "advertise_host", "advertise_port", "max_peer_skew",
                  "skip_sanity_checks", "zk_session_timeout", "zk_connect_timeout")),
     ("security", ("tls_cert", "tls_key", "tls_client_ca", "audit_log", "audit_queue")),
-    ("limits", ("max_connections", "max_frame_size", "max_batch", "max_agents")),
+    ("limits", ("max_connections", "http_max_connections", "max_frame_size", "max_batch",
+                "max_agents")),
     ("observability", ("metrics_host", "metrics_port", "ready_max_lag", "live_max_stall",
                        "log_level", "log_format", "log_file")),
 )  # fmt: skip

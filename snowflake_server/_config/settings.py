@@ -25,6 +25,7 @@ from .._ids.generator import GeneratorSettings
 __all__ = [
     "AUTO_WORKER_ID",
     "HTTP_OFF",
+    "PEER_CHECK_SLOTS",
     "AdminSettings",
     "AuditSettings",
     "ClusterSettings",
@@ -32,7 +33,7 @@ __all__ = [
     "LogSettings",
     "ProbeSettings",
     "ServerSettings",
-    "ThriftSettings",
+    "ServingSettings",
     "WorkerSettings",
     "layout_from",
 ]
@@ -127,15 +128,22 @@ class ClusterSettings:
         return self.worker_id == AUTO_WORKER_ID
 
 
+PEER_CHECK_SLOTS = 8
+"""Thrift connections kept beyond --max-connections for joining nodes' peer checks
+(they may not ask for ids, and stay a few seconds)."""
+
+
 @dataclass(frozen=True, slots=True)
-class ThriftSettings:
-    """What the Thrift server needs."""
+class ServingSettings:
+    """What the serving core needs: its ports, their protocols' limits, TLS."""
 
     host: str
     port: int
     transport: Transport
     idle_timeout: float
+    request_timeout: float
     max_connections: int
+    http_max_connections: int
     max_frame_size: int
     reuse_port: bool
     tls_cert: str
@@ -147,6 +155,13 @@ class ThriftSettings:
     @property
     def http(self) -> bool:
         return self.http_port != HTTP_OFF
+
+    @property
+    def connection_slots(self) -> int:
+        """Client connections served at once on every port, the reserve included (the
+        open files they need)."""
+        http = self.http_max_connections if self.http else 0
+        return self.max_connections + PEER_CHECK_SLOTS + http
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +213,7 @@ class ServerSettings:
     port: int = 7609
     transport: Transport = "framed"
     idle_timeout: float = 600.0
+    request_timeout: float = 10.0
     datacenter_id: int = 0
     worker_id: int | FromMachine = 0
     force_node_id: bool = False
@@ -233,6 +249,7 @@ class ServerSettings:
     zk_session_timeout: float = 10.0
     zk_connect_timeout: float = 10.0
     max_connections: int = 1000
+    http_max_connections: int = 1000
     max_frame_size: int = 64 * 1024
     tls_cert: str = ""
     tls_key: str = ""
@@ -248,7 +265,8 @@ class ServerSettings:
         for name in ("port", "metrics_port", "advertise_port"):
             _within(name, getattr(self, name), 0, 65535)
         _within("http_port", self.http_port, HTTP_OFF, 65535)
-        for name in ("max_connections", "max_frame_size", "audit_queue", "processes", "max_batch"):
+        for name in ("max_connections", "http_max_connections", "max_frame_size", "audit_queue",
+                     "processes", "max_batch"):  # fmt: skip
             _within(name, getattr(self, name), 1, None)
         for name in ("max_agents", "max_backwards_ms"):
             _within(name, getattr(self, name), 0, None)
@@ -258,6 +276,7 @@ class ServerSettings:
             _seconds(name, getattr(self, name), positive=True, unbounded=False)
         _seconds("max_peer_skew", self.max_peer_skew, positive=True, unbounded=True)
         _seconds("idle_timeout", self.idle_timeout, positive=False, unbounded=False)
+        _seconds("request_timeout", self.request_timeout, positive=False, unbounded=False)
         _seconds("max_startup_wait", self.max_startup_wait, positive=False, unbounded=True)
         if self.first_start_wait is not None:
             _seconds("first_start_wait", self.first_start_wait, positive=False, unbounded=False)
@@ -335,8 +354,8 @@ class ServerSettings:
         )
 
     @property
-    def thrift(self) -> ThriftSettings:
-        return self._view(ThriftSettings)
+    def serving(self) -> ServingSettings:
+        return self._view(ServingSettings)
 
     @property
     def admin(self) -> AdminSettings:
@@ -362,7 +381,7 @@ class ServerSettings:
         return view(**values)
 
 
-_View = TypeVar("_View", WorkerSettings, ClusterSettings, ThriftSettings)
+_View = TypeVar("_View", WorkerSettings, ClusterSettings, ServingSettings)
 
 
 def layout_from(values: Any) -> Layout:

@@ -15,19 +15,20 @@ clock, its state, its cluster session); 404, 405; 500 for a bug, never with a
 traceback. The same handler as the Thrift side serves the calls: one generator,
 one user-agent rule, the same per-agent counters and audit trail.
 
-Hand-written rather than on a framework or on httptools' callback parser: a
-request here is a request line and a few headers with no body, found whole by the
-connection (which shares its buffering, limits, TLS and shutdown with the Thrift
-connections), and parsing that takes a split or two.
+``HEAD`` is answered with headers only where that is free of effects (the
+layout, a decode, the OpenAPI document); on ``/v1/id`` and ``/v1/ids`` it is
+refused (405): its headers would need an id issued and thrown away.
+
+Requests come parsed (:mod:`.parser`); the connection, its limits, TLS and stop
+are the serving core's. Not on a web framework: the routes are four, and a
+framework's request objects and middleware would cost more than the call.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 from urllib.parse import parse_qs, unquote
 
 from .._errors import (
@@ -42,23 +43,14 @@ from .._observability.metrics import NO_METHOD, ConnectionStats
 from .._service import SnowflakeHandler
 from .._state.statefile import layout_fields
 from .openapi import openapi_document
+from .parser import Request
+from .responses import error_response, json_response
 
-__all__ = ["MAX_HEADERS", "MAX_HEAD_BYTES", "BadRequest", "HttpApi", "response"]
+__all__ = ["RETRY_AFTER_S", "HttpApi"]
 
 log = logging.getLogger(__name__)
 
-MAX_HEAD_BYTES = 8192
-"""The longest request line and headers accepted (431 past it)."""
-MAX_HEADERS = 64
-"""The most header fields accepted (431 past it)."""
 RETRY_AFTER_S = 1
-
-_REASONS = {
-    200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-    413: "Content Too Large", 431: "Request Header Fields Too Large",
-    500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
-    505: "HTTP Version Not Supported",
-}  # fmt: skip
 
 # Each request error's status and the kind its JSON (and the metrics) name it by.
 _FAILURES: tuple[tuple[type[Exception], int, str], ...] = (
@@ -67,42 +59,11 @@ _FAILURES: tuple[tuple[type[Exception], int, str], ...] = (
     (ClockMovedBackwardsError, 503, "invalid_system_clock"),
     (UnavailableError, 503, "unavailable"),
 )
+_ISSUES_IDS = frozenset({"/v1/id", "/v1/ids"})
 
 
 Route = Callable[[dict[str, list[str]]], dict[str, object]]
 """Answers a request's query (parsed) with the JSON body of its 200."""
-
-
-class BadRequest(Exception):
-    """A request that cannot be served: answer ``status`` with ``kind``, then close
-    the connection (what follows it on the wire cannot be trusted)."""
-
-    def __init__(self, status: int, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-
-
-def response(
-    status: int,
-    body: dict[str, object] | bytes,
-    *,
-    head: bool = False,
-    close: bool = False,
-    headers: tuple[tuple[str, str], ...] = (),
-) -> bytes:
-    """A whole HTTP/1.1 response with a JSON body (``bytes``: already encoded)."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    lines = [
-        f"HTTP/1.1 {status} {_REASONS[status]}",
-        "Content-Type: application/json",
-        f"Content-Length: {len(data)}",
-        "Cache-Control: no-store",
-        *(f"{name}: {value}" for name, value in headers),
-    ]
-    if close:
-        lines.append("Connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + (b"" if head else data)
 
 
 _ID_HEAD = (
@@ -112,33 +73,44 @@ _ID_HEAD = (
 _ID_HEAD_CLOSE = _ID_HEAD[:-2] + b"Connection: close\r\n\r\n"
 
 
-def error(status: int, kind: str, message: str, **kwargs: Any) -> bytes:
-    return response(status, {"error": kind, "message": message}, **kwargs)
-
-
 class HttpApi:
     """Serves the routes of one connection with its ``handler`` (counting into
-    ``stats``). :meth:`respond` returns the response and whether to close after it;
-    it raises ``WouldBlock`` (nothing issued) when the call must run off the loop,
-    and ``BadRequest`` for bytes that are not a request it can serve."""
+    ``stats``): a parsed request in, the whole response out (:meth:`respond`)."""
 
     def __init__(self, handler: SnowflakeHandler, stats: ConnectionStats) -> None:
         self._handler = handler
         self._stats = stats
-        self._last_id_agent: tuple[str, str] | None = None
         # path -> (the method name it is counted under, what answers it)
         self._routes: dict[str, tuple[str, Route]] = {
-            "/v1/id": ("get_id", self._id),
             "/v1/ids": ("get_ids", self._ids),
             "/v1/layout": ("get_layout", self._layout),
         }
 
-    def id_response(self, label: str, agent: str, close: bool = False) -> bytes:
-        """The response to ``GET /v1/id`` for an agent already checked and labelled:
-        the common call, answered without parsing (see ``HttpConnection``)."""
+    def respond(self, request: Request) -> bytes:
+        """The whole response to ``request`` (closing the connection after it unless
+        the request keeps it alive). Raises ``WouldBlock``, nothing issued, when the
+        call must run off the loop."""
+        close = not request.keep_alive
+        method, path = request.method, request.path
+        if method == "GET" and path == "/v1/id":
+            return self._id_response(request.query, close)
+        if method != "GET" and not (method == "HEAD" and path not in _ISSUES_IDS):
+            self._stats.count_exception("unknown_method", NO_METHOD)
+            allow = "GET" if path in _ISSUES_IDS else "GET, HEAD"
+            why = "HEAD would issue an id; use GET" if method == "HEAD" else f"use {allow}"
+            return error_response(405, "method_not_allowed", f"{method} is not served: {why}",
+                                  close=close, headers=(("Allow", allow),))  # fmt: skip
+        return self._route(path, request.query, head=method == "HEAD", close=close)
+
+    def _id_response(self, query: str, close: bool) -> bytes:
+        """``GET /v1/id``: the common call, its agent read without parsing the query
+        when it is the only parameter and needs no decoding."""
         started = time.perf_counter()
         try:
-            id_ = self._handler.issue_id(label, agent)
+            agent = query[6:] if _plain_agent(query) else _one(_query(query), "agent",
+                                                                InvalidUserAgentError)  # fmt: skip
+            handler = self._handler
+            id_ = handler.issue_id(handler.label(agent), agent)
         except WouldBlock:
             raise
         except Exception as e:  # noqa: BLE001 - every failure is a JSON answer, never a drop
@@ -147,45 +119,26 @@ class HttpApi:
         body = b'{"id": "%d"}' % id_
         return (_ID_HEAD_CLOSE if close else _ID_HEAD) % len(body) + body
 
-    @property
-    def last_id_agent(self) -> tuple[str, str] | None:
-        """The (label, agent) of the last request if it was a plain ``GET /v1/id`` served."""
-        return self._last_id_agent
-
-    def respond(self, request: bytes) -> tuple[bytes, bool]:
-        method, target, version, headers = _parse(request)
-        close = headers.get("connection", "").lower() == "close" or (
-            version == "HTTP/1.0" and headers.get("connection", "").lower() != "keep-alive"
-        )
-        head = method == "HEAD"
-        if method not in ("GET", "HEAD"):
-            self._stats.count_exception("unknown_method", NO_METHOD)
-            return error(405, "method_not_allowed", f"{method} is not served; use GET",
-                         close=close, headers=(("Allow", "GET, HEAD"),)), close  # fmt: skip
-        path, _, query = target.partition("?")
-        self._last_id_agent = None
-        return self._route(path, query, head=head, close=close), close
-
     def _route(self, path: str, query: str, *, head: bool, close: bool) -> bytes:
         if path == "/v1/openapi.json":
-            return response(200, openapi_document(), head=head, close=close)
+            return json_response(200, openapi_document(), head=head, close=close)
         found = self._routes.get(path)
         if found is None and path.startswith("/v1/decode/"):
             found = ("decode", self._decode(unquote(path[len("/v1/decode/") :])))
         if found is None:
             self._stats.count_exception("unknown_method", NO_METHOD)
-            return error(404, "not_found", f"no route {path!r}; see /v1/openapi.json",
+            return error_response(404, "not_found", f"no route {path!r}; see /v1/openapi.json",
                          head=head, close=close)  # fmt: skip
         method, route = found
         started = time.perf_counter()
         try:
-            body = route(parse_qs(query, keep_blank_values=True))
+            body = route(_query(query))
         except WouldBlock:
             raise
         except Exception as e:  # noqa: BLE001 - every failure is a JSON answer, never a drop
             return self._failed(method, e, started, head=head, close=close)
         self._stats.observe(method, time.perf_counter() - started)
-        return response(200, body, head=head, close=close)
+        return json_response(200, body, head=head, close=close)
 
     def _failed(
         self, method: str, failure: Exception, started: float, *, head: bool, close: bool
@@ -198,23 +151,15 @@ class HttpApi:
             log.error("internal error in %s", method, exc_info=failure)
         retry = (("Retry-After", str(RETRY_AFTER_S)),) if status == 503 else ()
         message = str(failure) if status != 500 else f"internal error in {method}"
-        return error(status, kind, message, head=head, close=close, headers=retry)
-
-    def _id(self, query: dict[str, list[str]]) -> dict[str, object]:
-        agent = _one(query, "agent", InvalidUserAgentError)
-        handler = self._handler
-        label = handler.label(agent)
-        id_ = handler.issue_id(label, agent)
-        self._last_id_agent = (label, agent)
-        return {"id": str(id_)}
+        return error_response(status, kind, message, head=head, close=close, headers=retry)
 
     def _ids(self, query: dict[str, list[str]]) -> dict[str, object]:
         agent = _one(query, "agent", InvalidUserAgentError)
         text = _one(query, "count", InvalidCountError)
-        try:
-            count = int(text, 10)
-        except ValueError:
-            raise InvalidCountError(f"count must be an integer, got {text[:40]!r}") from None
+        if not (text.isascii() and text.isdigit()) or len(text) > 10:
+            # A plain decimal: int() would take "+10", "1_0" and " 10".
+            raise InvalidCountError(f"count must be a decimal integer, got {text[:40]!r}")
+        count = int(text)
         return {"ids": [str(i) for i in self._handler.get_ids(agent, count)]}
 
     def _layout(self, _query: dict[str, list[str]]) -> dict[str, object]:
@@ -261,25 +206,9 @@ def _one(query: dict[str, list[str]], name: str, missing: type[Exception]) -> st
     return values[0]
 
 
-def _parse(request: bytes) -> tuple[str, str, str, dict[str, str]]:
-    """Method, target, version and headers (names lower-cased) of a whole request head."""
-    try:
-        text = request.decode("ascii")
-    except UnicodeDecodeError:
-        raise BadRequest(400, "bad_request", "the request head is not ASCII") from None
-    lines = text.split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[1].startswith("/"):
-        raise BadRequest(400, "bad_request", f"not an HTTP request line: {lines[0][:80]!r}")
-    method, target, version = parts
-    if version not in ("HTTP/1.1", "HTTP/1.0"):
-        raise BadRequest(505, "bad_request", f"{version[:20]!r} is not served; use HTTP/1.1")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        if not line:
-            break
-        name, colon, value = line.partition(":")
-        if not colon or not name or name != name.strip():
-            raise BadRequest(400, "bad_request", f"malformed header line {line[:80]!r}")
-        headers[name.lower()] = value.strip()
-    return method, target, version, headers
+def _plain_agent(query: str) -> bool:
+    return query.startswith("agent=") and not any(c in query for c in "&%+;")
+
+
+def _query(query: str) -> dict[str, list[str]]:
+    return parse_qs(query, keep_blank_values=True)

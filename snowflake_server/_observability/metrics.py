@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import platform
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -158,7 +158,11 @@ class ServiceMetrics(Collector):
         self._live: set[ConnectionStats] = set()
         self._closed = ConnectionStats()
         self.connections_accepted = 0
-        self.connections_rejected = 0  # written by the accept loop only
+        # By protocol ("thrift", "http"): written by the serving loop only.
+        self._open: dict[str, int] = {}
+        self._limits: dict[str, int] = {}
+        self._rejected: dict[str, int] = {}
+        self.turn_waits: Callable[[], int] = lambda: 0
 
     def registry(self, *others: Collector) -> CollectorRegistry:
         """A fresh registry holding this collector, ``others``, the log limiter's count
@@ -182,17 +186,33 @@ class ServiceMetrics(Collector):
                 return agent
         return OVERFLOW_AGENT
 
-    def open_connection(self) -> ConnectionStats:
+    def set_limit(self, protocol: str, limit: int) -> None:
+        """The most connections ``protocol``'s port serves at once (reported beside the
+        connections open, so that an alert sees a port filling up)."""
+        self._limits[protocol] = limit
+        self._open.setdefault(protocol, 0)
+        self._rejected.setdefault(protocol, 0)
+
+    def open_connection(self, protocol: str = "thrift") -> ConnectionStats:
         stats = ConnectionStats()
         with self._lock:
             self._live.add(stats)
             self.connections_accepted += 1
+            self._open[protocol] = self._open.get(protocol, 0) + 1
         return stats
 
-    def close_connection(self, stats: ConnectionStats) -> None:
+    def close_connection(self, stats: ConnectionStats, protocol: str = "thrift") -> None:
         with self._lock:
             self._live.discard(stats)
             self._closed.add(stats)
+            self._open[protocol] -= 1
+
+    def count_rejected(self, protocol: str) -> None:
+        """A connection to ``protocol``'s port closed at once: its slots were all in use."""
+        self._rejected[protocol] = self._rejected.get(protocol, 0) + 1
+
+    def rejected(self, protocol: str) -> int:
+        return self._rejected.get(protocol, 0)
 
     def totals(self) -> ConnectionStats:
         """Everything counted so far by every connection, open or closed."""
@@ -205,6 +225,7 @@ class ServiceMetrics(Collector):
 
     @property
     def connections_open(self) -> int:
+        """Connections open now, every protocol's."""
         return len(self._live)
 
     def collect(self) -> Iterable[Metric]:
@@ -248,12 +269,29 @@ class ServiceMetrics(Collector):
         yield _counter(
             "connections_accepted", "Client connections accepted.", self.connections_accepted
         )
-        yield _counter(
-            "connections_rejected",
-            "Client connections closed at once because --max-connections were open.",
-            self.connections_rejected,
+        yield counter_by(
+            "snowflake_connections_rejected",
+            "Client connections closed at once because their port's slots were all in use "
+            "(--max-connections for thrift, --http-max-connections for http), by protocol.",
+            "protocol",
+            dict(self._rejected),
         )
-        yield _gauge("connections_open", "Client connections open now.", self.connections_open)
+        yield _gauge_by(
+            "snowflake_connections_open", "Client connections open now, by protocol.",
+            dict(self._open),
+        )  # fmt: skip
+        yield _gauge_by(
+            "snowflake_connections_limit",
+            "The most client connections a port serves at once, by protocol (a few more are "
+            "kept on the thrift port for the peer checks of joining nodes).",
+            dict(self._limits),
+        )
+        yield _counter(
+            "turn_waits",
+            "Times a connection had spent its share of the event loop and waited for its "
+            "next turn (fairness by work: a flood, or costly requests).",
+            self.turn_waits(),
+        )
         ids = gen.settings
         yield _gauge("worker_id", "This server's worker id.", ids.worker_id)
         yield _gauge("datacenter_id", "This server's datacenter id.", ids.datacenter_id)
@@ -333,6 +371,13 @@ def counter_by(name: str, doc: str, label: str, counts: Mapping[str, float]) -> 
     family = CounterMetricFamily(name, doc, labels=[label])
     for value, count in counts.items():
         family.add_metric([value], count)
+    return family
+
+
+def _gauge_by(name: str, doc: str, values: Mapping[str, float]) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=["protocol"])
+    for protocol, value in sorted(values.items()):
+        family.add_metric([protocol], value)
     return family
 
 

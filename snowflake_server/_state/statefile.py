@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,6 @@ __all__ = [
     "STATE_FORMAT",
     "StateFile",
     "check_state_dir",
-    "default_state_dir",
     "layout_fields",
     "layout_to_json",
     "open_state_dir",
@@ -98,12 +97,6 @@ def valid_layout_json(recorded: object) -> bool:
 
 def _describe(layout: dict[str, Any]) -> str:
     return ", ".join(f"{name} {layout.get(name, 0)!r}" for name in LAYOUT_FIELDS)
-
-
-def default_state_dir(environ: Mapping[str, str]) -> Path:
-    """``$XDG_STATE_HOME/snowflake``, else ``~/.local/state/snowflake``."""
-    base = environ.get("XDG_STATE_HOME") or str(Path(environ.get("HOME", "~")) / ".local/state")
-    return Path(base).expanduser() / "snowflake"
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

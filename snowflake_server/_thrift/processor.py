@@ -14,9 +14,9 @@ import functools
 import logging
 import operator
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from snowflake_thrift_client._idl import (
     DECLARED_ERRORS,
@@ -28,7 +28,7 @@ from thriftpy2.protocol.base import TProtocolBase
 from thriftpy2.thrift import TApplicationException, TMessageType, TType
 from thriftpy2.transport import TCyMemoryBuffer
 
-from .._errors import RequestError
+from .._errors import RequestError, UnavailableError
 from .._ids.generator import WouldBlock
 from .._observability.metrics import ConnectionStats
 from .._service import SnowflakeHandler
@@ -114,6 +114,23 @@ class Processor:
         # Raw agent bytes -> (label, agent) for agents found valid on this connection:
         # its next calls skip decoding and checking. Bounded as the handler's cache is.
         self._agents: dict[bytes, tuple[str, str]] = {}
+        self.restricted = False
+
+    def allow_only(self, methods: Collection[str]) -> None:
+        """Serve only ``methods``: any other call gets ``UnavailableError`` (a
+        connection in the reserved slots of a full node: peer checks only)."""
+
+        def full(*_args: object) -> NoReturn:
+            raise UnavailableError(
+                "this node serves all the connections it may (--max-connections): this "
+                "connection may only check the node's ids; try another node"
+            )
+
+        self.restricted = True
+        self._methods = {
+            name: (spec, method if name in methods else full)
+            for name, (spec, method) in self._methods.items()
+        }
 
     def process_message(self, message: bytes) -> bytes:
         """The reply to the one whole binary-protocol call in ``message``, unframed."""

@@ -27,11 +27,14 @@ from collections.abc import Generator
 __all__ = ["MAX_DEPTH", "MAX_VALUES", "Malformed", "MessageScanner", "TooLarge"]
 
 MAX_DEPTH = 64
-MAX_VALUES = 1024
+MAX_VALUES = 64
 """Fields and container elements a message may hold, a container of fixed-size
-elements counting as one value (it is skipped in one step): this service's calls
-carry at most a few; a message of 64 KiB could otherwise hold 65,000 empty structs,
-each a step of the walk and of thriftpy2's decoder."""
+elements counting as one value (it is skipped in one step). This service's calls
+carry at most two; the rest is room for fields a later IDL adds. The binary
+protocol gives a struct no length, so unknown fields cannot be skipped by length:
+each value is a step of the walk and of thriftpy2's decoder, and a 1,068-byte
+frame of 1,022 empty structs held the loop 0.38 ms (twenty plain calls). Past the
+bound a message is refused with a Thrift PROTOCOL_ERROR before it is decoded."""
 
 # Type codes of the binary protocol, and the bytes a value of each fixed-size one takes.
 _STOP, _STRING, _STRUCT, _MAP, _SET, _LIST = 0, 11, 12, 13, 14, 15

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from snowflake_server import ConfigurationError, ServerSettings
-from snowflake_server._config.options import OPTIONS, build_parser, load_settings
+from snowflake_server._config.options import OPTIONS, build_parser, default_state_dir, load_settings
 from snowflake_server._config.settings import FromMachine
 
 
@@ -17,6 +17,11 @@ def test_defaults_are_the_originals() -> None:
     assert s == replace(ServerSettings(), state_dir="/home/u/.local/state/snowflake")
     assert (s.host, s.port, s.metrics_port, s.transport) == ("127.0.0.1", 7609, 9990, "framed")
     assert s.idle_timeout > 3, "an idle client must not be dropped after thriftpy2's 3 s"
+
+
+def test_the_default_state_dir_follows_xdg() -> None:
+    assert default_state_dir({"XDG_STATE_HOME": "/x"}) == Path("/x/snowflake")
+    assert default_state_dir({"HOME": "/home/u"}) == Path("/home/u/.local/state/snowflake")
 
 
 def test_flag_beats_env_beats_file(tmp_path: Path) -> None:

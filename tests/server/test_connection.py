@@ -23,19 +23,19 @@ import pytest
 import trustme
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from snowflake_server._http.connection import HttpConnection
+from snowflake_server._thrift.connection import Shared
 from snowflake_thrift_client._idl import snowflake_thrift
 from thriftpy2.protocol.binary import TBinaryProtocol
 from thriftpy2.thrift import TApplicationException, TMessageType
 
 from snowflake_server import GeneratorSettings, IdGenerator, ServerSettings, decompose
-from snowflake_server._http.connection import HttpConnection
 from snowflake_server._ids.clocks import wall_clock_ms
 from snowflake_server._ids.generator import forbid_waiting
 from snowflake_server._observability.metrics import NO_METHOD, ServiceMetrics
 from snowflake_server._service import SnowflakeHandler
 from snowflake_server._serving.listeners import new_event_loop, started_threads
 from snowflake_server._thrift import connection
-from snowflake_server._thrift.connection import Shared
 from snowflake_server._thrift.processor import Processor, service_methods
 from tests.support.endpoints import encode_call
 from tests.support.fakes import FakeTransport

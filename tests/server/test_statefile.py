@@ -19,7 +19,7 @@ from snowflake_thrift_client import TWITTER_EPOCH_MS, Layout
 
 from snowflake_server import ConfigurationError, ReservationError, StartupRefused
 from snowflake_server._state.reservation import Reservation
-from snowflake_server._state.statefile import StateFile, _unusable_dir, default_state_dir
+from snowflake_server._state.statefile import StateFile, _unusable_dir
 
 TWITTER = {
     "epoch_ms": TWITTER_EPOCH_MS,
@@ -425,11 +425,6 @@ def test_a_short_write_fails_the_reservation_and_says_why(tmp_path: Path) -> Non
     again = StateFile.open(tmp_path, 0, 0)
     assert again.load() == now + 1000, "the good mark stays"
     again.close()
-
-
-def test_default_dir_follows_xdg() -> None:
-    assert default_state_dir({"XDG_STATE_HOME": "/x"}) == Path("/x/snowflake")
-    assert default_state_dir({"HOME": "/home/u"}) == Path("/home/u/.local/state/snowflake")
 
 
 _WRITER = textwrap.dedent(

@@ -1,0 +1,282 @@
+"""Strict HTTP/1.1 request parsing for the API and the admin endpoint.
+
+Feed a connection's bytes to a :class:`RequestParser`; it returns the requests
+they complete, in order, or raises :class:`HttpError` (answer its status, then
+close: what follows a request that cannot be trusted is not read)::
+
+    parser = RequestParser()
+    for request in parser.feed(data):   # pipelined: none, one or several
+        ...                             # request.method, .path, .query, .keep_alive
+
+The request line and headers are parsed by llhttp (Node.js's parser) through
+``httptools``, uvicorn's fast path, rather than by hand or by ``h11``:
+
+- cost, measured on this project's 2-core VM (CPython 3.11, httptools 0.9.0,
+  h11 0.16.0): a 3-header ``GET`` costs 1.0 µs here against h11's 11.1 µs, and a
+  buffer of 100 pipelined ``GET`` s 0.78 µs per request against h11's 8.4 µs;
+- strictness: llhttp refuses two ``Content-Length`` headers (even equal ones),
+  ``+10``, ``1_0``, ``-1``, ``Transfer-Encoding`` beside ``Content-Length``,
+  bare LF line endings, obs-fold, control characters in the target; h11 accepts
+  a repeated length, chunked beside a length and bare LF.
+
+What llhttp leaves to its caller is done here: ``Host`` (exactly one on
+HTTP/1.1, at most one on 1.0), the version (1.0 or 1.1; 505 for any other), an
+origin-form target (``/...``; ``*`` and absolute URLs are refused), no
+``Transfer-Encoding`` at all (501: an id request has no body to stream), and the
+limits: the head (request line, headers, blank line) at most ``max_head`` bytes
+and ``max_headers`` fields (431), a body at most ``max_body`` bytes (413).
+
+The head limit holds however the head arrives: the parser finds where each head
+ends itself and feeds llhttp one head, then exactly the body its
+``Content-Length`` announced (llhttp validated that value: plain ASCII
+digits), so a head trickled a byte at a time is counted byte by byte and never
+more than ``max_head`` bytes of one are held. A body is drained and ignored,
+never parsed as a request: a request hidden in a body does not come out. After
+a request that closes the connection (``Connection: close``, HTTP/1.0 without
+keep-alive, an ``Upgrade``, which is not served) nothing more is parsed.
+
+Never parse a header value with Python's ``int()``: it accepts ``+10``, ``1_0``
+and `` 10 ``. llhttp checks ``Content-Length``; a request's ``count`` is the
+API's own plain decimal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httptools
+
+__all__ = ["HttpError", "Request", "RequestParser"]
+
+_END = b"\r\n\r\n"
+_BAD = "bad_request"
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request's line and what the server needs of its headers."""
+
+    method: str
+    """As sent: ``"GET"``, ``"HEAD"``, ... (llhttp accepts upper-case methods only)."""
+    path: str
+    """The target's path, percent-encoded as sent, e.g. ``"/v1/decode/123"``."""
+    query: str
+    """The raw query string after ``?``; ``""`` if none."""
+    keep_alive: bool
+    """False: the response must close the connection."""
+    headers: tuple[tuple[str, str], ...] = ()
+    """Every header as (lower-cased name, value), only from ``RequestParser(keep_headers=True)``."""
+
+
+class HttpError(Exception):
+    """A request that cannot be served: answer ``status`` (with ``kind`` in the JSON
+    error) and close. ``str(e)`` is the message."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+class RequestParser:
+    """One connection's requests, parsed strictly by llhttp (httptools). Not
+    reusable after :class:`HttpError` (it raises the same error again)."""
+
+    __slots__ = (
+        "_body_left",
+        "_chunked",
+        "_done",
+        "_error",
+        "_fields",
+        "_head",
+        "_headers",
+        "_hosts",
+        "_keep_headers",
+        "_length",
+        "_llhttp",
+        "_max_body",
+        "_max_head",
+        "_max_headers",
+        "_pending",
+        "_refusal",
+        "_stopped",
+        "_tail",
+        "_url",
+    )
+
+    def __init__(
+        self,
+        *,
+        max_head: int = 8192,
+        max_headers: int = 64,
+        max_body: int = 1024,
+        keep_headers: bool = False,
+    ) -> None:
+        self._max_head = max_head
+        self._max_headers = max_headers
+        self._max_body = max_body
+        self._keep_headers = keep_headers
+        self._llhttp = httptools.HttpRequestParser(self)
+        self._done: list[Request] = []
+        self._error: HttpError | None = None  # raised: raised again by every feed
+        self._refusal: HttpError | None = None  # raised in a callback, llhttp stopped by it
+        self._stopped = False  # a request that closes the connection was parsed
+        self._head = 0  # bytes of the current head fed so far
+        self._tail = b""  # its last bytes (a CRLFCRLF split across feeds)
+        self._body_left = 0  # bytes of the current body not yet fed
+        self._pending: Request | None = None  # its head parsed, its body still draining
+        self._url: list[bytes] = []
+        self._fields = 0
+        self._hosts = 0
+        self._length: bytes | None = None
+        self._chunked = False
+        self._headers: list[tuple[str, str]] = []
+
+    @property
+    def mid_request(self) -> bool:
+        """Bytes of a request not yet complete were received (for a request deadline)."""
+        return bool(self._head or self._body_left) and self._error is None
+
+    def feed(self, data: bytes) -> list[Request]:
+        """The requests completed by ``data``, in order (pipelining: several, or none
+        yet). Raises :class:`HttpError`."""
+        if self._error is not None:
+            raise self._error
+        done = self._done = []
+        view = memoryview(data)
+        pos, size = 0, len(data)
+        try:
+            while pos < size and not self._stopped:
+                if self._body_left:
+                    take = min(self._body_left, size - pos)
+                    self._body_left -= take
+                    self._execute(view[pos : pos + take])
+                    pos += take
+                    continue
+                end = self._head_end(data, pos)
+                piece = (size if end < 0 else end) - pos
+                if self._head + piece > self._max_head:
+                    raise HttpError(431, _BAD, f"request head over {self._max_head} bytes")
+                self._head += piece  # on_headers_complete resets it
+                if end < 0:
+                    self._tail = (self._tail + data[max(pos, size - 3) :])[-3:]
+                self._execute(view[pos : pos + piece])
+                pos += piece
+        except HttpError as e:
+            self._error = e
+            self._stopped = True
+            raise
+        return done
+
+    def _head_end(self, data: bytes, pos: int) -> int:
+        """Where the head being read ends in ``data`` (after its CRLFCRLF), or -1."""
+        if self._tail:
+            joined = self._tail + data[pos : pos + 3]
+            at = joined.find(_END)
+            if at >= 0:
+                return pos + at + len(_END) - len(self._tail)
+        at = data.find(_END, pos)
+        return at if at < 0 else at + len(_END)
+
+    def _execute(self, piece: memoryview) -> None:
+        try:
+            self._llhttp.feed_data(piece)
+        except httptools.HttpParserUpgrade:
+            # Upgrades (h2c, websocket) are not served: this request is answered on
+            # HTTP/1.1 and the connection closed; what follows it is not parsed.
+            self._stopped = True
+            if self._done:
+                last = self._done[-1]
+                self._done[-1] = Request(last.method, last.path, last.query, False, last.headers)
+        except httptools.HttpParserError as e:
+            if self._refusal is not None:
+                raise self._refusal from None
+            raise _malformed(str(e)) from None
+
+    # -- llhttp's callbacks ------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = []
+        self._fields = self._hosts = 0
+        self._length = None
+        self._chunked = False
+        if self._keep_headers:
+            self._headers = []
+
+    def on_url(self, part: bytes) -> None:
+        self._url.append(part)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields += 1
+        if self._fields > self._max_headers:
+            self._refuse(431, f"more than {self._max_headers} header fields")
+        lower = name.lower()
+        if lower == b"host":
+            self._hosts += 1
+        elif lower == b"content-length":
+            self._length = value
+        elif lower == b"transfer-encoding":
+            self._chunked = True
+        if self._keep_headers:
+            self._headers.append((lower.decode("latin-1"), value.strip(b" \t").decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self._head = 0
+        self._tail = b""
+        llhttp = self._llhttp
+        version = llhttp.get_http_version()
+        if version == "0.9":
+            self._refuse(400, "not an HTTP/1.x request line (method, target, version)")
+        if version not in ("1.1", "1.0"):
+            self._refuse(505, f"HTTP/{version} is not served; use HTTP/1.1")
+        if self._hosts > 1:
+            self._refuse(400, "more than one Host header")
+        if self._hosts == 0 and version == "1.1":
+            self._refuse(400, "an HTTP/1.1 request must have a Host header")
+        if self._chunked:
+            self._refuse(501, "request bodies with Transfer-Encoding are not served")
+        if self._length is not None:
+            length = _decimal(self._length)
+            if length > self._max_body:
+                self._refuse(413, f"a request body over {self._max_body} bytes")
+            self._body_left = length
+        target = b"".join(self._url)
+        if not (target.startswith(b"/") and target.isascii()) or b"#" in target:
+            self._refuse(400, f"the target must be a path (/...), got {target[:80]!r}")
+        path, _, query = target.decode("ascii").partition("?")
+        self._pending = Request(
+            llhttp.get_method().decode("ascii"),
+            path,
+            query,
+            llhttp.should_keep_alive(),
+            tuple(self._headers) if self._keep_headers else (),
+        )
+
+    def on_message_complete(self) -> None:
+        request = self._pending
+        assert request is not None  # on_headers_complete made it or stopped llhttp
+        self._pending = None
+        self._done.append(request)
+        if not request.keep_alive:
+            self._stopped = True  # what follows a closing request is never parsed
+
+    def _refuse(self, status: int, message: str) -> None:
+        self._refusal = HttpError(status, _BAD, message)
+        raise self._refusal
+
+
+def _malformed(reason: str) -> HttpError:
+    if reason == "Invalid HTTP version":
+        return HttpError(505, _BAD, "the HTTP version is not served; use HTTP/1.1")
+    message = f"malformed request: {reason}"
+    if "CR" in reason or "LF" in reason:
+        message += " (lines must end in CRLF; a bare LF is refused)"
+    return HttpError(400, _BAD, message)
+
+
+def _decimal(text: bytes) -> int:
+    """A plain ASCII decimal (llhttp has checked a ``Content-Length`` already)."""
+    digits = text.strip(b" \t")
+    if not digits.isdigit() or len(digits) > 19:  # bytes.isdigit: ASCII digits only
+        raise HttpError(400, _BAD, "Content-Length is not a decimal number")
+    return int(digits)

@@ -1,0 +1,84 @@
+"""The HTTP/1.1 protocol plugged into the serving core: requests parsed strictly by
+:mod:`.parser`, answered by the :class:`~.api.HttpApi`, in order.
+
+Keep-alive and pipelining are served in order; a request that cannot be trusted
+(malformed, too large, too slow) gets its error status and a close. Bytes are
+parsed at most ``_CHUNK`` at a time, so that the serving core prices each step
+and a buffer of a thousand pipelined requests is not parsed in one go.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from .._observability.metrics import ConnectionStats
+from .._service import SnowflakeHandler
+from .._serving.refusal import Cause, Refused
+from .api import RETRY_AFTER_S, HttpApi
+from .parser import HttpError, Request, RequestParser
+from .responses import error_response
+
+__all__ = ["HttpProtocol"]
+
+_CHUNK = 4096
+_CAUSE_OF_STATUS = {
+    413: Cause.TOO_LARGE,
+    431: Cause.HEAD_TOO_LARGE,
+    501: Cause.NOT_IMPLEMENTED,
+    505: Cause.VERSION,
+}
+_STATUS_OF_CAUSE = {
+    Cause.MALFORMED: 400,
+    Cause.TOO_LARGE: 413,
+    Cause.HEAD_TOO_LARGE: 431,
+    Cause.NOT_IMPLEMENTED: 501,
+    Cause.VERSION: 505,
+    Cause.TOO_SLOW: 408,
+    Cause.UNAVAILABLE: 503,
+}
+
+
+class HttpProtocol:
+    """One connection's HTTP requests; see the module docstring."""
+
+    def __init__(self, handler: SnowflakeHandler, stats: ConnectionStats) -> None:
+        self._api = HttpApi(handler, stats)
+        self._parser = RequestParser()
+        self._parsed: collections.deque[Request] = collections.deque()
+        self.closes = False
+
+    def fast(self, data: bytes) -> bytes | None:
+        return None  # parsing is a fraction of a call: every request goes the one way
+
+    def pending(self, buf: bytearray) -> bool:
+        return bool(buf or self._parsed) or self._parser.mid_request
+
+    def next_request(self, buf: bytearray, pos: int) -> tuple[Request | None, int]:
+        if self.closes:
+            return None, pos  # after a request that closes, nothing more is served
+        if self._parsed:
+            return self._parsed.popleft(), pos
+        if pos == len(buf):
+            return None, pos
+        end = min(len(buf), pos + _CHUNK)
+        try:
+            self._parsed.extend(self._parser.feed(bytes(buf[pos:end])))
+        except HttpError as e:
+            raise Refused(
+                "protocol_error", str(e), _CAUSE_OF_STATUS.get(e.status, Cause.MALFORMED)
+            ) from None
+        return (self._parsed.popleft() if self._parsed else None), end
+
+    def reply(self, request: Request) -> bytes:
+        reply = self._api.respond(request)
+        if not request.keep_alive:
+            self.closes = True
+        return reply
+
+    def refusal(self, error: Refused) -> bytes:
+        status = _STATUS_OF_CAUSE[error.cause]
+        kind = {Cause.UNAVAILABLE: "unavailable", Cause.TOO_SLOW: "request_timeout"}.get(
+            error.cause, "bad_request"
+        )
+        retry = (("Retry-After", str(RETRY_AFTER_S)),) if status == 503 else ()
+        return error_response(status, kind, str(error), close=True, headers=retry)
