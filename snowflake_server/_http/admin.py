@@ -14,7 +14,10 @@ reached, and a slow-loris of open connections reached it. Each connection
 gets one request, answered and closed within ``request_timeout`` seconds; at
 most ``max_connections`` are open, the oldest still sending its request making
 room for a new one (a flood of silent connections cannot starve a probe).
-Connections closed unanswered are counted.
+Connections closed unanswered are counted. Requests are parsed by the API's
+strict parser (:mod:`.parser`) and answered by its response builder
+(:mod:`.responses`): a request it cannot trust gets its status and a close; HEAD
+gets the headers a GET would (``/metrics`` too).
 
 It accepts on its own loop rather than asyncio's ``create_server``: out of file
 descriptors (EMFILE, ENFILE), asyncio's accept logged a traceback for each of up
@@ -45,6 +48,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from .._config.settings import AdminSettings
 from .._observability.metrics import counter_by
 from .._serving.listeners import listen_socket
+from .parser import HttpError, Request, RequestParser
+from .responses import error_response, response
 
 __all__ = ["AdminServer", "Live", "Ready"]
 
@@ -60,7 +65,10 @@ _ROUTES = "/metrics, /livez, /readyz, /health"
 _MAX_CONNECTIONS = 64
 _REQUEST_TIMEOUT_S = 10.0
 _MAX_HEAD = 8192  # a request line and headers; a scrape's are a few hundred bytes
-_END = b"\r\n\r\n"
+_MAX_HEADERS = 64
+# What the WSGI app (prometheus_client's) reads of a request's headers: its format
+# (OpenMetrics or text) and its compression.
+_WSGI_HEADERS = frozenset({"accept", "accept-encoding"})
 _STOP_WAIT_S = 5.0
 _BACKLOG = 128
 _PAUSE_FIRST_S = 0.1
@@ -193,22 +201,16 @@ class AdminServer(Collector):
         self.open[connection] = None
         return True
 
-    def respond(self, head: bytes) -> bytes:
-        """The whole response to the request whose line and headers are ``head``."""
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ")
-        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-            return _response("400 Bad Request", [("Content-Type", "text/plain")], b"bad request\n")
-        method, target, version = parts
-        path, _, query = target.partition("?")
+    def respond(self, request: Request) -> bytes:
+        """The whole response to ``request`` (the connection closes after it)."""
         environ: dict[str, Any] = {
-            "REQUEST_METHOD": method,
+            "REQUEST_METHOD": request.method,
             "SCRIPT_NAME": "",
-            "PATH_INFO": unquote(path),
-            "QUERY_STRING": query,
+            "PATH_INFO": unquote(request.path),
+            "QUERY_STRING": request.query,
             "SERVER_NAME": self.address[0],
             "SERVER_PORT": str(self.address[1]),
-            "SERVER_PROTOCOL": version,
+            "SERVER_PROTOCOL": "HTTP/1.1",
             "wsgi.version": (1, 0),
             "wsgi.url_scheme": "http",
             "wsgi.input": io.BytesIO(),
@@ -217,26 +219,39 @@ class AdminServer(Collector):
             "wsgi.multiprocess": False,
             "wsgi.run_once": False,
         }
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            key = "HTTP_" + name.strip().upper().replace("-", "_")
-            environ.setdefault(key, value.strip())
+        for name, value in request.headers:
+            if name in _WSGI_HEADERS:
+                environ.setdefault("HTTP_" + name.upper().replace("-", "_"), value)
         started: list[tuple[str, list[tuple[str, str]]]] = []
 
         def start_response(status: str, headers: list[tuple[str, str]], *_: object) -> None:
             started.append((status, headers))
 
+        head = request.method == "HEAD"
         try:
             body = b"".join(self._app(environ, start_response))
+            status, headers = started[-1]
+            code = int(status[:3])  # the app's own status line, never a client's bytes
+            content_type = "text/plain"
+            extra: list[tuple[str, str]] = []
+            for name, value in headers:
+                lower = name.lower()
+                if lower == "content-type":
+                    content_type = value
+                elif lower not in ("content-length", "cache-control", "connection"):
+                    extra.append((name, value))
+            return response(code, body, content_type=content_type, head=head, close=True,
+                            headers=extra)  # fmt: skip
         except Exception:
-            log.exception("admin %s %s failed", method, path)
-            return _response("500 Internal Server Error", [("Content-Type", "text/plain")], b"")
-        status, headers = started[-1]
-        return _response(status, headers, body)
+            log.exception("admin %s %s failed", request.method, request.path)
+            return error_response(500, "internal_error", f"internal error in {request.path}",
+                                  head=head, close=True)  # fmt: skip
 
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
+            if environ["REQUEST_METHOD"] == "HEAD":  # the library's app serves GET only
+                environ["REQUEST_METHOD"] = "GET"  # respond() drops the body
             return self._metrics(environ, start_response)  # type: ignore[no-any-return]
         if path in ("/livez", "/readyz", "/health"):
             if environ["REQUEST_METHOD"] not in ("GET", "HEAD"):
@@ -252,19 +267,19 @@ class AdminServer(Collector):
             body.update(details)
             status = "200 OK" if why is None else "503 Service Unavailable"
             data = json.dumps(body).encode() + b"\n"
-            return _send(
-                start_response, status, _JSON, data, head=environ["REQUEST_METHOD"] == "HEAD"
-            )
+            return _send(start_response, status, _JSON, data)
         return _send(start_response, "404 Not Found", "text/plain; charset=utf-8",
                      f"try {_ROUTES}\n".encode())  # fmt: skip
 
 
 class _AdminConnection(asyncio.Protocol):
-    """One admin request: its head read (within the time limit), answered, closed."""
+    """One admin request: read (within the time limit), answered, closed."""
 
     def __init__(self, server: AdminServer) -> None:
         self._server = server
-        self._buf = bytearray()
+        self._parser = RequestParser(
+            max_head=_MAX_HEAD, max_headers=_MAX_HEADERS, keep_headers=True
+        )
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self.waiting = True  # its request is not all here yet
@@ -280,19 +295,16 @@ class _AdminConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self.waiting:
             return  # answered: what else it sends is not read
-        self._buf += data
-        end = self._buf.find(_END)
-        if end < 0 and len(self._buf) <= _MAX_HEAD:
-            return
+        try:
+            requests = self._parser.feed(data)
+        except HttpError as e:
+            reply = error_response(e.status, e.kind, str(e), close=True)
+        else:
+            if not requests:
+                return
+            reply = self._server.respond(requests[0])  # one per connection: no more read
         self.waiting = False
         assert self._transport is not None
-        if end < 0:
-            reply = _response(
-                "431 Request Header Fields Too Large", [("Content-Type", "text/plain")], b""
-            )
-        else:
-            reply = self._server.respond(bytes(self._buf[:end]))
-        self._buf.clear()
         self._transport.write(reply)
         self._transport.close()  # once the answer is sent; the timer still bounds that
 
@@ -314,26 +326,8 @@ class _AdminConnection(asyncio.Protocol):
             self._transport.abort()
 
 
-def _response(status: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
-    names = {name.lower() for name, _ in headers}
-    lines = [f"HTTP/1.1 {status}", *(f"{name}: {value}" for name, value in headers)]
-    if "content-length" not in names:
-        lines.append(f"Content-Length: {len(body)}")
-    lines.append("Connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
-
-
 def _send(
-    start_response: Callable[..., Any],
-    status: str,
-    content_type: str,
-    body: bytes,
-    *,
-    head: bool = False,
+    start_response: Callable[..., Any], status: str, content_type: str, body: bytes
 ) -> list[bytes]:
-    start_response(
-        status,
-        [("Content-Type", content_type), ("Content-Length", str(len(body))),
-         ("Cache-Control", "no-store")],
-    )  # fmt: skip
-    return [] if head else [body]
+    start_response(status, [("Content-Type", content_type)])
+    return [body]

@@ -44,7 +44,7 @@ from .._service import SnowflakeHandler
 from .._state.statefile import layout_fields
 from .openapi import openapi_document
 from .parser import Request
-from .responses import error_response, json_response
+from .responses import error_response, json_response, response
 
 __all__ = ["RETRY_AFTER_S", "HttpApi"]
 
@@ -121,7 +121,7 @@ class HttpApi:
 
     def _route(self, path: str, query: str, *, head: bool, close: bool) -> bytes:
         if path == "/v1/openapi.json":
-            return json_response(200, openapi_document(), head=head, close=close)
+            return response(200, openapi_document(), head=head, close=close)
         found = self._routes.get(path)
         if found is None and path.startswith("/v1/decode/"):
             found = ("decode", self._decode(unquote(path[len("/v1/decode/") :])))

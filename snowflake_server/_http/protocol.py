@@ -35,6 +35,12 @@ _STATUS_OF_CAUSE = {
     Cause.VERSION: 505,
     Cause.TOO_SLOW: 408,
     Cause.UNAVAILABLE: 503,
+    Cause.INTERNAL: 500,
+}
+_KINDS = {
+    Cause.UNAVAILABLE: "unavailable",
+    Cause.TOO_SLOW: "request_timeout",
+    Cause.INTERNAL: "internal_error",
 }
 
 
@@ -77,8 +83,6 @@ class HttpProtocol:
 
     def refusal(self, error: Refused) -> bytes:
         status = _STATUS_OF_CAUSE[error.cause]
-        kind = {Cause.UNAVAILABLE: "unavailable", Cause.TOO_SLOW: "request_timeout"}.get(
-            error.cause, "bad_request"
-        )
+        kind = _KINDS.get(error.cause, "bad_request")
         retry = (("Retry-After", str(RETRY_AFTER_S)),) if status == 503 else ()
         return error_response(status, kind, str(error), close=True, headers=retry)

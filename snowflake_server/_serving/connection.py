@@ -285,6 +285,9 @@ class Connection(asyncio.Protocol):
                     break
         except Refused as e:
             self._refuse(e)
+        except Exception:  # a bug: this client is told and closed, every other one goes on
+            log.exception("closing connection from %s: serving its request failed", self._peer)
+            self._refuse(Refused("internal_error", "internal error", Cause.INTERNAL))
         finally:
             if pos:
                 del buf[:pos]

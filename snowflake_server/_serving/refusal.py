@@ -31,6 +31,8 @@ class Cause(enum.Enum):
     """The request did not arrive whole within ``--request-timeout`` (HTTP 408)."""
     UNAVAILABLE = "unavailable"
     """The node cannot serve it now; another node can (HTTP 503; Thrift INTERNAL_ERROR)."""
+    INTERNAL = "internal"
+    """A bug, logged with its traceback (HTTP 500; Thrift INTERNAL_ERROR)."""
 
 
 class Refused(Exception):

@@ -135,7 +135,7 @@ class ThriftProtocol:
     def refusal(self, error: Refused) -> bytes:
         kind = (
             TApplicationException.INTERNAL_ERROR
-            if error.cause is Cause.UNAVAILABLE
+            if error.cause in (Cause.UNAVAILABLE, Cause.INTERNAL)
             else TApplicationException.PROTOCOL_ERROR
         )
         reply = encode_error(kind, str(error))

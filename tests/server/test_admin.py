@@ -186,8 +186,13 @@ def test_requests_that_cannot_be_answered_are_told_why(
 ) -> None:
     server, _ = admin
     assert _exchange(server, b"NONSENSE\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    trickled = b"GET /livez HTTP/1.1\r\nHost: x\r\nX: " + b"x" * 9000
     huge = b"GET /livez HTTP/1.1\r\nX: " + b"x" * 9000
     assert _exchange(server, huge).startswith(b"HTTP/1.1 431 ")
+    with socket.create_connection(server.address, timeout=5) as conn:
+        for at in range(0, len(trickled), 1000):  # a head over the limit, in pieces
+            conn.sendall(trickled[at : at + 1000])
+        assert read_to_close(conn).startswith(b"HTTP/1.1 431 ")
 
     def broken() -> tuple[str | None, dict[str, object]]:
         raise RuntimeError("a bug")
@@ -195,6 +200,39 @@ def test_requests_that_cannot_be_answered_are_told_why(
     monkeypatch.setattr(server, "_ready", broken)
     assert request(server, "/readyz")[0] == 500
     assert request(server, "/livez")[0] == 200  # the next request is served as ever
+
+
+@pytest.mark.parametrize(
+    ("raw", "status"),
+    [
+        (b"GET /livez HTTP/1.1\r\n\r\n", 400),  # no Host
+        (b"GET /livez HTTP/1.1\nHost: x\n\n", 400),  # bare LF
+        (
+            b"GET /livez HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+            400,
+        ),
+        (b"GET /livez HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 501),
+        (b"GET /livez HTTP/2.0\r\nHost: x\r\n\r\n", 505),
+    ],
+)
+def test_a_malformed_request_gets_its_status_and_a_close(
+    admin: tuple[AdminServer, _State], raw: bytes, status: int
+) -> None:
+    answer = _exchange(admin[0], raw + b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status) and b"\r\nConnection: close" in head
+    # One JSON body and nothing after it: the request that followed is not answered.
+    assert json.loads(body)["error"] == "bad_request"
+
+
+def test_head_gets_the_headers_only(admin: tuple[AdminServer, _State]) -> None:
+    for path in (b"/readyz", b"/livez", b"/metrics"):
+        answer = _exchange(admin[0], b"HEAD %s HTTP/1.1\r\nHost: x\r\n\r\n" % path)
+        head, end, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and end and body == b"", path
+        get = _exchange(admin[0], b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path)
+        if path != b"/metrics":  # a scrape's length changes as it counts itself
+            assert head == get.partition(b"\r\n\r\n")[0]
 
 
 def test_with_every_connection_being_answered_a_newcomer_is_closed() -> None:
