@@ -3,11 +3,20 @@ and whether it turns (with a fake clock: each tick of the serving loop is told b
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+from pathlib import Path
+
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
+from snowflake_server import ServerSettings
 from snowflake_server._observability.probes import LoopWatch, Phase, Readiness
 from tests.support.fakes import SecondsClock
+from tests.support.inprocess import InProcessServer
+from tests.support.waiting import wait_until
 
 
 def ready_gauge(readiness: Readiness) -> float | None:
@@ -78,15 +87,14 @@ def run(watch: LoopWatch, clock: SecondsClock, seconds: float, late_s: float = 0
         watch.turned(late_s)
 
 
-def gauges(watch: LoopWatch) -> tuple[float | None, float | None, float | None]:
+def gauges(watch: LoopWatch) -> tuple[float, ...]:
     """(snowflake_loop_lag_seconds, snowflake_loop_lag_max_seconds, snowflake_loop_overloaded)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(watch)
-    return (
-        registry.get_sample_value("snowflake_loop_lag_seconds"),
-        registry.get_sample_value("snowflake_loop_lag_max_seconds"),
-        registry.get_sample_value("snowflake_loop_overloaded"),
-    )
+    names = ("lag_seconds", "lag_max_seconds", "overloaded")
+    values = [registry.get_sample_value(f"snowflake_loop_{name}") for name in names]
+    assert None not in values, values
+    return tuple(v for v in values if v is not None)
 
 
 def test_a_loop_that_never_turned_is_alive_ready_and_lags_nothing() -> None:
@@ -102,13 +110,13 @@ def test_a_steady_lag_reads_as_itself_and_over_the_limit_makes_the_node_unready(
     watch = watch_with(clock)
     run(watch, clock, 10, late_s=0.2)
     assert watch.unready() is None, "0.2 s is under --ready-max-lag 0.25 s"
-    assert gauges(watch) == (pytest.approx(0.2), pytest.approx(0.2), 0)
+    assert gauges(watch) == pytest.approx((0.2, 0.2, 0))
     run(watch, clock, 10, late_s=0.8)
     assert watch.unready() == (
         "overloaded: the serving loop has lagged 0.80 s (the median over the last 5 s) "
         "against --ready-max-lag 0.25 s; ready again at 0.125 s or less"
     )
-    assert gauges(watch) == (pytest.approx(0.8), pytest.approx(0.8), 1)
+    assert gauges(watch) == pytest.approx((0.8, 0.8, 1))
     assert watch.wedged() is None, "a lagging loop still turns: alive"
 
 
@@ -137,7 +145,7 @@ def test_pauses_that_hold_the_loop_most_of_the_time_make_it_unready() -> None:
         watch.turned(3.0)
         run(watch, clock, 2)
     assert watch.unready() is not None
-    assert gauges(watch) == (pytest.approx(3.0), pytest.approx(3.0), 1)
+    assert gauges(watch) == pytest.approx((3.0, 3.0, 1))
 
 
 def test_the_node_is_ready_again_only_once_the_lag_is_well_under_the_limit() -> None:
@@ -150,11 +158,7 @@ def test_the_node_is_ready_again_only_once_the_lag_is_well_under_the_limit() -> 
     assert why is not None and "lagged 0.20 s" in why
     assert gauges(watch)[2] == 1
     run(watch, clock, 10, late_s=0.125)
-    assert watch.unready() is None and gauges(watch) == (
-        pytest.approx(0.125),
-        pytest.approx(0.125),
-        0,
-    )
+    assert watch.unready() is None and gauges(watch) == pytest.approx((0.125, 0.125, 0))
     run(watch, clock, 10, late_s=0.2)  # back near the limit, from below: still ready
     assert watch.unready() is None
 
@@ -165,12 +169,12 @@ def test_a_loop_that_stops_turning_reads_as_lagging_then_as_wedged() -> None:
     run(watch, clock, 10)
     clock.advance(2.0)  # no tick since: the one awaited is 1.9 s late so far
     assert watch.unready() is None, "2 s are less than half the window"
-    assert gauges(watch) == (0, pytest.approx(1.9), 0)
+    assert gauges(watch) == pytest.approx((0, 1.9, 0))
     clock.advance(0.5)
     assert watch.unready() is not None and gauges(watch)[0] == pytest.approx(2.4)
     clock.advance(27.5)  # 30 s without a turn: not yet wedged
     assert watch.wedged() is None
-    assert gauges(watch) == (pytest.approx(29.9), pytest.approx(29.9), 1)
+    assert gauges(watch) == pytest.approx((29.9, 29.9, 1))
     clock.advance(1.0)
     assert watch.wedged() == ("the serving loop has not turned for 31.0 s (--live-max-stall 30 s)")
     # It turns again: alive at once; ready once quick ticks cover half the window.
@@ -219,3 +223,47 @@ def test_a_timer_firing_early_counts_as_on_time_and_too_many_ticks_are_bounded()
 def test_a_watch_that_cannot_measure_is_refused(arguments: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="need max_lag_s > 0"):
         LoopWatch(**arguments)  # type: ignore[arg-type]
+
+
+# -- a real node ---------------------------------------------------------------------------
+
+
+def overloaded_gauge(server: InProcessServer) -> float:
+    for family in text_string_to_metric_families(server.metrics()):
+        if family.name == "snowflake_loop_overloaded":
+            return family.samples[0].value
+    raise AssertionError("no snowflake_loop_overloaded")
+
+
+def test_a_stalled_serving_loop_makes_a_real_node_unready_but_not_dead(tmp_path: Path) -> None:
+    """The loop of a real node is held (a callback that blocks it): the admin thread
+    says overloaded once the stall covers half the window, /livez stays 200, and the
+    node is ready again once quick ticks cover half the window."""
+    with InProcessServer(ServerSettings(), tmp_path) as server:
+        wait_until(lambda: server.http_get("/readyz")[0] == 200, "ready", 10)
+        assert overloaded_gauge(server) == 0
+        node_server = server.node._server
+        assert node_server is not None
+        # Ready once started; the loop ticks once the serving thread runs it.
+        wait_until(lambda: server.node.loop_watch._ticks, "the serving loop's first tick", 10)
+        loop = node_server._loop
+        assert loop is not None
+        released = threading.Event()
+        stalled = time.monotonic()
+        loop.call_soon_threadsafe(released.wait, 30)  # the loop runs nothing else meanwhile
+        try:
+            wait_until(lambda: server.http_get("/readyz")[0] == 503, "/readyz 503", 10)
+            took = time.monotonic() - stalled
+            status, body = server.http_get("/readyz")
+            reason = json.loads(body)["reason"]
+            assert status == 503 and reason.startswith("overloaded: the serving loop has lagged")
+            assert server.http_get("/livez")[0] == 200, "a few seconds' stall is no wedge"
+            assert overloaded_gauge(server) == 1
+        finally:
+            released.set()
+        released_at = time.monotonic()
+        wait_until(lambda: server.http_get("/readyz")[0] == 200, "ready again", 10)
+        recovered = time.monotonic() - released_at
+        assert server.raw_client().get_id("probes") > 0
+    print(f"stall to 503: {took:.2f} s; release to 200: {recovered:.2f} s")
+    assert took >= 2.0, "unready before the stall covered half the window"
