@@ -1,1 +1,1 @@
-"""The HTTP/JSON API: its routes, its OpenAPI document, its connections."""
+"""HTTP: the strict parser and response builder, the HTTP/JSON API as a protocol of the serving core, the admin endpoint."""

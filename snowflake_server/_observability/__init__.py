@@ -1,1 +1,1 @@
-"""What operators see: metrics, the admin endpoint (/metrics, /health), the audit trail."""
+"""What operators see: metrics, readiness and liveness, logs, the audit trail."""

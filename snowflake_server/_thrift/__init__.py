@@ -1,1 +1,1 @@
-"""The Thrift side: the service's methods, the dispatch, the hardened server, TLS."""
+"""The Thrift protocol: framing, the get_id fast path, the dispatch onto the service."""
