@@ -1,1 +1,2 @@
-"""HTTP: the strict parser and response builder, the HTTP/JSON API as a protocol of the serving core, the admin endpoint."""
+"""HTTP: the strict parser and response builder, the HTTP/JSON API as a protocol of
+the serving core, the admin endpoint."""

@@ -57,6 +57,7 @@ EXCEPTION_KINDS: tuple[str, ...] = (
     "protocol_error",
     "frame_too_large",
     "tls_error",
+    "request_timeout",
     "internal_error",
 )
 

@@ -1,1 +1,2 @@
-"""The serving core: listeners, admission, fairness by work, deadlines, TLS and drain, for every protocol."""
+"""The serving core: listeners, admission, fairness by work, deadlines, TLS and drain,
+for every protocol."""
