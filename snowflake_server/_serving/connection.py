@@ -217,7 +217,8 @@ class Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._writable = True
-        self._serve(b"")
+        if not self._waiting:  # else served at its turn
+            self._serve(b"")
 
     def connection_lost(self, exc: Exception | None) -> None:
         tls = self._tls
@@ -250,6 +251,15 @@ class Connection(asyncio.Protocol):
 
     def _serve(self, data: bytes) -> None:
         """Take in ``data``, then serve the whole requests received while credit lasts."""
+        if not data and self.credit <= 0 and not self._draining:
+            # Woken by a thread's reply or a client reading again, with its share spent:
+            # what it has left waits for its turn like anyone's.
+            if self._has_work() and not (self._busy or self._closing):
+                self._wait_turn()
+            else:
+                self._update_reading()
+                self._update_fast()
+            return
         clock = self._clock
         started = clock()
         if data:
@@ -437,7 +447,13 @@ class Connection(asyncio.Protocol):
             self._quiet_checks += 1
         # The request deadline: the same request still partly received, however many
         # bytes trickled in meanwhile.
-        if self._pending() and not self._busy and self._served == self._served_seen:
+        tls = self._tls
+        handshaking = tls is not None and tls.mid_handshake  # its own timer bounds that
+        if (
+            self._pending()
+            and not (self._busy or handshaking)
+            and self._served == self._served_seen
+        ):
             self._partial_checks += 1
         else:
             self._partial_checks = 0
