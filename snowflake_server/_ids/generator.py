@@ -33,7 +33,7 @@ from .._errors import (
     ReservationError,
     TimestampOverflowError,
 )
-from .clocks import pause, wall_clock_ms
+from .clocks import METER, pause, wall_clock_ms
 
 __all__ = [
     "GeneratorCounters",
@@ -258,6 +258,7 @@ class IdGenerator:
         self._switch = switch
         self._sealed = False
         self._max_sequence = layout.max_sequence
+        self._ms_per_id = 0.001 / (layout.max_sequence + 1)  # seconds of id capacity per id
         self._max_ts = layout.max_timestamp_ms
         self._tolerance = settings.max_backwards_ms
         self._random_start = (
@@ -399,6 +400,7 @@ class IdGenerator:
                 self._sequence = last
             if self.clock_sequence_switches != switches:
                 ids.sort()  # a move to another clock sequence mid-batch: still increasing
+            METER.owed += count * self._ms_per_id  # its share of the ids a ms can hold
         except BaseException as e:
             self._ids_before_this_ms -= len(ids)  # claimed but never handed out
             if isinstance(e, WouldBlock):  # made again elsewhere: its waits count there

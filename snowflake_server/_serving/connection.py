@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 from typing import Protocol as Interface
 
+from .._ids.clocks import METER
 from .._ids.generator import WouldBlock
 from .._observability.metrics import NO_METHOD, ConnectionStats, ServiceMetrics
 from .fairness import TurnQueue
@@ -260,8 +261,8 @@ class Connection(asyncio.Protocol):
                 self._update_reading()
                 self._update_fast()
             return
-        clock = self._clock
-        started = clock()
+        clock, meter = self._clock, METER
+        started, owed = clock(), meter.owed
         if data:
             if self._tls is not None:
                 data = self._decrypt(self._tls, data)
@@ -288,9 +289,9 @@ class Connection(asyncio.Protocol):
                     if protocol.closes:
                         self._draining = True  # close after this reply, as asked
                         break
-                now = clock()
-                self.credit -= now - started
-                started = now
+                now, now_owed = clock(), meter.owed
+                self.credit -= now - started + now_owed - owed
+                started, owed = now, now_owed
                 if self.credit <= 0 and not self._draining:
                     break
         except Refused as e:
@@ -301,7 +302,7 @@ class Connection(asyncio.Protocol):
         finally:
             if pos:
                 del buf[:pos]
-        self.credit -= clock() - started
+        self.credit -= clock() - started + meter.owed - owed
         if self._draining and not (self._busy or self._closing):
             self._close()
             return

@@ -4,9 +4,11 @@ cost rather than by how many it sends.
 Every connection serves on the loop's one thread, so a connection's turn is time
 that every other client waits. A count of requests per turn is no price: a valid
 1 KB Thrift call can cost twenty plain ones to decode, a ``get_ids(4096)`` a
-thousand ids, a TLS handshake a signature. So each turn is priced by the loop time
-it actually took (decoding, TLS, answering: the clock read once per request),
-and each connection spends a credit:
+whole ms of the ids the generator can make, a TLS handshake a signature. So each
+request is priced by the loop time it actually took (decoding, TLS, answering: the
+clock read once per request), less the generator's waits for the next ms (the ids
+it waited for were taken by others) and plus a batch's share of a ms of ids (see
+:data:`~snowflake_server._ids.clocks.METER`), and each connection spends a credit:
 
 - a connection with credit serves what it has received at once (most clients:
   one call at a time, well under a quantum), until its credit is spent;
