@@ -406,12 +406,29 @@ def test_a_request_hidden_in_a_get_body_is_not_served(http_server: ServerProcess
     assert ids_generated(http_server) - before == 1, "one id: the hidden request never ran"
 
 
+def test_a_request_smuggled_behind_two_lengths_is_refused(http_server: ServerProcess) -> None:
+    # A proxy taking the last Content-Length forwards the hidden request as this one's
+    # body; a server taking the first (0) would run it: two responses to one request.
+    hidden = b"GET /v1/id?agent=smuggled HTTP/1.1\r\nHost: t\r\n\r\n"
+    smuggler = (
+        b"GET /v1/id?agent=front HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(hidden) + hidden
+    )
+    before = ids_generated(http_server)
+    answers = responses(exchange(http_address(http_server), smuggler + _CLOSE))
+    show("smuggling, CL.CL", f"{[status for status, _, _ in answers]}")
+    assert [status for status, _, _ in answers] == [400], "one answer, then the close"
+    assert ids_generated(http_server) == before
+
+
 @pytest.mark.parametrize(
     ("name", "request_"),
     [
         ("two different Content-Length",
          b"GET /v1/id HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab"),
         ("HTTP/1.1 without Host", b"GET /v1/id HTTP/1.1\r\n\r\n"),
+        ("Content-Length 1_0", b"GET /v1/id HTTP/1.1\r\nHost: t\r\nContent-Length: 1_0\r\n\r\n"),
+        ("Content-Length +1", b"GET /v1/id HTTP/1.1\r\nHost: t\r\nContent-Length: +1\r\n\r\na"),
         ("bare LF", b"GET /v1/id HTTP/1.1\nHost: t\n\n"),
     ],
 )  # fmt: skip
