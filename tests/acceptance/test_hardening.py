@@ -200,29 +200,40 @@ def test_fuzz_leaves_the_server_serving(strategy: Any) -> None:
 
 def test_connections_beyond_the_limit_are_refused_cleanly() -> None:
     server = start_server("--max-connections", "20")
+    open_ = 'snowflake_connections_open{protocol="thrift"}'
+    rejected = 'snowflake_connections_rejected_total{protocol="thrift"}'
+    reserve = 8  # slots kept beyond the limit for joining nodes' peer checks (5 s each)
     try:
         active = server.raw_client()
         assert active.get_id("active") > 0
-        idle = [socket.create_connection((server.host, server.port)) for _ in range(19)]
+        idle = [socket.create_connection((server.host, server.port)) for _ in range(19 + reserve)]
+        wait_until(
+            lambda: parse_metrics(server.metrics())[open_] == 20 + reserve,
+            "every slot and the reserve taken",
+            5,
+        )
         for _ in range(10):
             extra = socket.create_connection((server.host, server.port), timeout=5)
             assert extra.recv(1) == b"", "closed at once"
             extra.close()
         assert active.get_id("still-served") > 0
         counts = parse_metrics(server.metrics())
-        assert counts["snowflake_connections_rejected_total"] == 10
-        assert counts["snowflake_connections_open"] == 20
+        assert counts[rejected] == 10
+        assert counts[open_] == 20 + reserve
+        assert counts['snowflake_connections_limit{protocol="thrift"}'] == 20
         for conn in idle:
             conn.close()
         wait_until(
-            lambda: parse_metrics(server.metrics())["snowflake_connections_open"] <= 1,
+            lambda: parse_metrics(server.metrics())[open_] <= 1,
             "the closed connections counted out",
             5,
         )
         assert server.raw_client().get_id("room-again") > 0
     finally:
         assert server.stop() == 0
-    assert "refusing connections: 20 open, --max-connections 20" in server.log()
+    assert "refusing thrift connections: 28 open, the most allowed (1 refused so far)" in (
+        server.log()
+    )
 
 
 # -- issue 15: decode bombs, requests over many frames, a host out of threads ----------
