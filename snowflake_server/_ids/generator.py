@@ -36,6 +36,7 @@ from .._errors import (
 from .clocks import METER, pause, wall_clock_ms
 
 __all__ = [
+    "Contended",
     "GeneratorCounters",
     "GeneratorSettings",
     "IdGenerator",
@@ -60,6 +61,13 @@ class WouldBlock(Exception):
     call made on a thread that must not wait (the event loop's) would have to wait
     longer than a ms or for a new reservation. Nothing was issued or counted; run
     the same call again on a thread that may wait."""
+
+
+class Contended(WouldBlock):
+    """A ``WouldBlock`` because another call holds the generator (a call on a worker
+    thread waiting out the next ms or a clock step): the same call is best made
+    again on the loop a moment later, not queued behind the worker threads' calls
+    (every call would then join that queue, one ms each)."""
 
 
 def forbid_waiting(forbidden: bool = True) -> None:
@@ -414,7 +422,7 @@ class IdGenerator:
         """Take the lock another call holds: wait for it, unless this thread must not
         wait (that call may be sleeping out a clock step under the lock)."""
         if waiting_forbidden():
-            raise WouldBlock("another call holds the generator")
+            raise Contended("another call holds the generator")
         self._acquire()
 
     @property

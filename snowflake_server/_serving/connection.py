@@ -34,7 +34,7 @@ from typing import Any, cast
 from typing import Protocol as Interface
 
 from .._ids.clocks import METER
-from .._ids.generator import WouldBlock
+from .._ids.generator import Contended, WouldBlock
 from .._observability.metrics import NO_METHOD, ConnectionStats, ServiceMetrics
 from .fairness import TurnQueue
 from .refusal import Cause, Refused
@@ -144,6 +144,7 @@ class Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._fast = False  # the protocol's fast path applies now
         self._make_protocol = listener.make_protocol
+        self._held: Any = None  # a request taken in whose call met a busy generator
         self._expiry: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ---------------------------------------------------------
@@ -274,14 +275,26 @@ class Connection(asyncio.Protocol):
             while not (self._busy or self._closing) and (self._writable or self._draining):
                 if protocol is None:
                     break
-                request, end = protocol.next_request(buf, pos)
-                if end == pos and request is None:
-                    break
-                pos = end
+                if self._held is not None:
+                    request, self._held = self._held, None
+                else:
+                    request, end = protocol.next_request(buf, pos)
+                    if end == pos and request is None:
+                        break
+                    pos = end
                 if request is not None:
                     self._served += 1
                     try:
                         reply = protocol.reply(request)
+                    except Contended:
+                        if self._draining:  # no next turn: it waits on a thread
+                            self._to_thread(request)
+                            break
+                        # A worker thread's call holds the generator for a ms at most:
+                        # try again at this connection's next turn, on the loop.
+                        self._held = request
+                        self.credit = min(self.credit, 0.0)
+                        break
                     except WouldBlock:
                         self._to_thread(request)
                         break
@@ -313,7 +326,7 @@ class Connection(asyncio.Protocol):
         self._update_fast()
 
     def _has_work(self) -> bool:
-        return bool(self._inbox) or self._pending()
+        return self._held is not None or bool(self._inbox) or self._pending()
 
     def _pending(self) -> bool:
         protocol = self._protocol
