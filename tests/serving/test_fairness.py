@@ -54,7 +54,7 @@ def _turn(loop: asyncio.AbstractEventLoop, served: list[str]) -> list[str]:
 def test_a_connection_overdrawn_by_k_quanta_skips_k_rounds(
     loop: asyncio.AbstractEventLoop,
 ) -> None:
-    clock, served = SecondsClock(), []
+    clock, served = SecondsClock(), list[str]()
     queue = TurnQueue(loop, quantum_s=1.0, budget_s=100.0, clock=clock)
     heavy = _Conn("heavy", queue, clock, served, credit=-3.0, left=10)
     light = _Conn("light", queue, clock, served, credit=0.0, left=10)
@@ -68,7 +68,7 @@ def test_a_connection_overdrawn_by_k_quanta_skips_k_rounds(
 
 
 def test_credit_left_over_never_adds_up_past_a_quantum(loop: asyncio.AbstractEventLoop) -> None:
-    clock, served = SecondsClock(), []
+    clock, served = SecondsClock(), list[str]()
     queue = TurnQueue(loop, quantum_s=1.0, budget_s=100.0, clock=clock)
     thrifty = _Conn("thrifty", queue, clock, served, credit=0.75, cost=0.25, left=1)
     queue.wait(thrifty)
@@ -80,7 +80,7 @@ def test_credit_left_over_never_adds_up_past_a_quantum(loop: asyncio.AbstractEve
 def test_a_turn_of_the_loop_spends_at_most_the_budget_then_the_rest_go_next_turn(
     loop: asyncio.AbstractEventLoop,
 ) -> None:
-    clock, served = SecondsClock(), []
+    clock, served = SecondsClock(), list[str]()
     queue = TurnQueue(loop, quantum_s=1.0, budget_s=3.0, clock=clock)
     for name in "abcde":
         queue.wait(_Conn(name, queue, clock, served, cost=1.0))
@@ -95,7 +95,7 @@ def test_a_turn_of_the_loop_spends_at_most_the_budget_then_the_rest_go_next_turn
 def test_a_connection_forgotten_while_it_waits_gets_no_turn(
     loop: asyncio.AbstractEventLoop,
 ) -> None:
-    clock, served = SecondsClock(), []
+    clock, served = SecondsClock(), list[str]()
     queue = TurnQueue(loop, quantum_s=1.0, budget_s=100.0, clock=clock)
     closed = _Conn("closed", queue, clock, served)
     open_ = _Conn("open", queue, clock, served)
@@ -112,7 +112,7 @@ def test_a_connection_forgotten_while_it_waits_gets_no_turn(
 def test_one_round_per_turn_of_the_loop_however_often_one_asks(
     loop: asyncio.AbstractEventLoop,
 ) -> None:
-    clock, served = SecondsClock(), []
+    clock, served = SecondsClock(), list[str]()
     queue = TurnQueue(loop, quantum_s=1.0, budget_s=100.0, clock=clock)
     a = _Conn("a", queue, clock, served, left=100)
     b = _Conn("b", queue, clock, served, left=100)
