@@ -371,6 +371,28 @@ def test_a_request_costing_more_than_its_credit_waits_its_turns_unread() -> None
         made.close()
 
 
+def test_a_connection_that_overdrew_on_its_last_request_pays_before_its_next() -> None:
+    # One costly request at a time (a client that waits for each reply) pays too: it
+    # is not a flood, yet its overdraft is not forgiven when its next request comes.
+    clock = StepClock(step=5)
+    made = Driven(quantum=2, clock=clock)
+    try:
+        conn, transport = made.connection, made.transport
+        conn.data_received(call_bytes("get_worker_id", 1, framed=True))
+        assert [r[2] for r in made.replies()] == [1]
+        assert conn.credit == -8 and transport.reading and len(made.turns) == 0  # no work
+        clock.step = 1
+        conn.data_received(call_bytes("get_worker_id", 2, framed=True))
+        assert made.replies() == [] and not transport.reading and len(made.turns) == 1
+        for _ in range(4):
+            one_turn(made.loop)
+        assert made.replies() == []
+        one_turn(made.loop)
+        assert [r[2] for r in made.replies()] == [2] and transport.reading
+    finally:
+        made.close()
+
+
 def test_a_connection_with_credit_left_is_served_at_once_each_time_it_sends() -> None:
     made = Driven(quantum=8)
     try:
