@@ -99,7 +99,8 @@ class HttpApi:
             allow = "GET" if path in _ISSUES_IDS else "GET, HEAD"
             why = "HEAD would issue an id; use GET" if method == "HEAD" else f"use {allow}"
             return error_response(405, "method_not_allowed", f"{method} is not served: {why}",
-                                  close=close, headers=(("Allow", allow),))  # fmt: skip
+                                  head=method == "HEAD", close=close,
+                                  headers=(("Allow", allow),))  # fmt: skip
         return self._route(path, request.query, head=method == "HEAD", close=close)
 
     def _id_response(self, query: str, close: bool) -> bytes:

@@ -1,32 +1,56 @@
-"""The real server process, end to end over real sockets."""
+"""The serving core's server (snowflake_server/_serving/server.py): the real server
+process end to end over real sockets, and the core alone in this process: its ports,
+their slots and reserve, its loop's ticks, its stop."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import socket
+import ssl
 import threading
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import pytest
 import thriftpy2
+import trustme
+from prometheus_client import generate_latest
 from snowflake_thrift_client._idl import snowflake_thrift
+from snowflake_thrift_client._transports import open_client
 from thriftpy2.thrift import TApplicationException
 from thriftpy2.transport import TTransportException
 
-from snowflake_server import ConfigurationError, ServerSettings, decompose
+from snowflake_server import (
+    ConfigurationError,
+    GeneratorSettings,
+    IdGenerator,
+    ServerSettings,
+    decompose,
+)
+from snowflake_server._http.protocol import HttpProtocol
 from snowflake_server._ids.clocks import wall_clock_ms
-from snowflake_server._serving.listeners import started_threads
-from snowflake_server._thrift.server import ThriftServer
-from tests.support.endpoints import encode_call
+from snowflake_server._observability.metrics import ConnectionStats, ServiceMetrics
+from snowflake_server._service import SnowflakeHandler
+from snowflake_server._serving import server as server_module
+from snowflake_server._serving.listeners import listen_socket, started_threads
+from snowflake_server._serving.server import Endpoint, Server
+from snowflake_server._thrift.processor import Processor, service_methods
+from snowflake_server._thrift.protocol import thrift_protocols
+from tests.support.endpoints import encode_call, read_to_close
 from tests.support.fakes import FakeClock
 from tests.support.inprocess import InProcessServer
 from tests.support.processes import DATA, failures, parse_metrics, start_server, twitter_idl
 from tests.support.waiting import wait_until
 
 thrift = snowflake_thrift()
+OPEN = 'snowflake_connections_open{protocol="thrift"}'
 
 
 @pytest.mark.parametrize("transport", ["framed", "buffered"])
@@ -136,7 +160,10 @@ def test_a_call_cut_off_is_a_protocol_error_and_a_close_between_calls_is_not(
         assert client.get_id("whole") > 0
         client.close()  # between calls: a normal close
         wait_until(
-            lambda: parse_metrics(server.metrics())["snowflake_connections_open"] == 0,
+            lambda: (
+                parse_metrics(server.metrics())['snowflake_connections_open{protocol="thrift"}']
+                == 0
+            ),
             "the closed connections counted out",
             5,
         )
@@ -240,19 +267,89 @@ def test_server_runs_as_the_console_script(tmp_path: Any) -> None:
     assert "SNOWFLAKE_WORKER_ID" in out and "--metrics-port" in out
 
 
-def test_the_thrift_port_refuses_connections_until_it_listens() -> None:
-    server = ThriftServer(
-        cast(Any, None), cast(Any, None), ServerSettings(port=0).thrift
-    )  # bind and listen use neither the processors nor the metrics
+class _Bare:
+    """The serving core alone (no Node): a Thrift endpoint and an HTTP one on free
+    loopback ports, served from a thread by :meth:`start` until :meth:`stop`."""
+
+    def __init__(
+        self,
+        *,
+        thrift_max: int = 10,
+        http_max: int = 10,
+        reserve: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+        ticks: Any = None,
+    ) -> None:
+        generator = IdGenerator(GeneratorSettings())
+        self.metrics = metrics = ServiceMetrics(generator, service_methods(), max_agents=8)
+
+        def handler(stats: ConnectionStats) -> SnowflakeHandler:
+            return SnowflakeHandler(generator, metrics, stats, wall_clock_ms)
+
+        self.endpoints = [
+            Endpoint(
+                "thrift",
+                listen_socket("127.0.0.1", 0, reuse_port=False),
+                thrift_protocols(
+                    lambda stats: Processor(handler(stats), stats), framed=True, limit=65536
+                ),
+                thrift_max,
+                reserve=reserve,
+            ),
+            Endpoint(
+                "http",
+                listen_socket("127.0.0.1", 0, reuse_port=False),
+                lambda stats, _peer_check_only: HttpProtocol(handler(stats), stats),
+                http_max,
+            ),
+        ]
+        self.thrift, self.http = (e.address for e in self.endpoints)
+        self.server = Server(self.endpoints, metrics, clock=clock, ticks=ticks)
+        self._thread: threading.Thread | None = None
+        self._clients: list[Any] = []
+
+    def start(self) -> _Bare:
+        self.server.listen()
+        self._thread = threading.Thread(target=self.server.serve_forever, name="bare-server")
+        self._thread.start()
+        return self
+
+    def client(self) -> Any:
+        client = open_client(*self.thrift, "framed", 5.0)
+        self._clients.append(client)
+        return client
+
+    def counts(self) -> dict[str, float]:
+        return parse_metrics(generate_latest(self.metrics.registry()).decode())
+
+    def stop(self) -> None:
+        for client in self._clients:
+            client.close()
+        self.server.request_shutdown()
+        if self._thread is not None:
+            self._thread.join(10)
+            assert not self._thread.is_alive(), "the server did not stop within 10 s"
+        self.server.close()
+
+    def __enter__(self) -> _Bare:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def test_the_ports_refuse_connections_until_the_server_listens() -> None:
+    bare = _Bare()
     try:
-        _, port = server.bind()
-        with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
-            probe.connect(("127.0.0.1", port))
-        server.listen()
-        with socket.create_connection(("127.0.0.1", port), timeout=5):
-            pass  # queued in the backlog until served
+        for host, port in (bare.thrift, bare.http):
+            with socket.socket() as probe, pytest.raises(ConnectionRefusedError):
+                probe.connect((host, port))
+        bare.server.listen()
+        for address in (bare.thrift, bare.http):
+            with socket.create_connection(address, timeout=5):
+                pass  # queued in the backlog until served
     finally:
-        server.close()
+        bare.server.close()
 
 
 def test_a_port_taken_between_bind_and_listen_is_a_configuration_error() -> None:
@@ -262,9 +359,9 @@ def test_a_port_taken_between_bind_and_listen_is_a_configuration_error() -> None
         other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         other.bind(("127.0.0.1", 0))
         port = other.getsockname()[1]
-        server = ThriftServer(cast(Any, None), cast(Any, None), ServerSettings(port=port).thrift)
+        sock = listen_socket("127.0.0.1", port, reuse_port=False)
+        server = Server([Endpoint("thrift", sock, _no_protocol, 1)], _metrics())
         try:
-            server.bind()
             other.listen()
             with pytest.raises(ConfigurationError, match=f"cannot listen on 127.0.0.1:{port}"):
                 server.listen()
@@ -274,9 +371,9 @@ def test_a_port_taken_between_bind_and_listen_is_a_configuration_error() -> None
 
 def test_a_stop_asked_before_the_loop_runs_keeps_its_delay() -> None:
     # SIGTERM right after the ready line: the drain still runs before the stop.
-    server = ThriftServer(cast(Any, None), cast(Any, None), ServerSettings(port=0).thrift)
+    sock = listen_socket("127.0.0.1", 0, reuse_port=False)
+    server = Server([Endpoint("thrift", sock, _no_protocol, 1)], _metrics())
     try:
-        server.bind()
         started = time.monotonic()  # the delay counts from the request
         server.request_shutdown(after_s=0.3)
         server.request_shutdown(after_s=60)  # a later, longer one does not delay it
@@ -286,6 +383,140 @@ def test_a_stop_asked_before_the_loop_runs_keeps_its_delay() -> None:
         assert time.monotonic() - started >= 0.3 - 0.01
     finally:
         server.close()
+
+
+def _metrics() -> ServiceMetrics:
+    return ServiceMetrics(IdGenerator(GeneratorSettings()), service_methods(), max_agents=8)
+
+
+def _no_protocol(stats: ConnectionStats, peer_check_only: bool) -> Any:
+    raise AssertionError("no connection is served")
+
+
+def _closed_at_once(address: tuple[str, int]) -> bool:
+    with socket.create_connection(address, timeout=5) as sock:
+        return read_to_close(sock) == b""
+
+
+def test_idle_http_connections_do_not_take_the_thrift_ports_slots() -> None:
+    with _Bare(thrift_max=2, http_max=2) as bare:
+        idle = [socket.create_connection(bare.http, timeout=5) for _ in range(2)]
+        try:
+            wait_until(
+                lambda: bare.counts()['snowflake_connections_open{protocol="http"}'] == 2,
+                "both HTTP connections admitted",
+            )
+            clients = [bare.client() for _ in range(2)]  # the old server refused both
+            assert all(client.get_id("thrift") > 0 for client in clients)
+            assert _closed_at_once(bare.http)  # a third HTTP one: its port is full
+            counts = bare.counts()
+            assert counts['snowflake_connections_rejected_total{protocol="http"}'] == 1
+            assert counts['snowflake_connections_rejected_total{protocol="thrift"}'] == 0
+            assert counts['snowflake_connections_open{protocol="thrift"}'] == 2
+            assert counts['snowflake_connections_limit{protocol="http"}'] == 2
+            assert counts['snowflake_connections_limit{protocol="thrift"}'] == 2
+            # And the other way round: a full Thrift port leaves HTTP served.
+            assert _closed_at_once(bare.thrift)
+            for sock in idle:
+                sock.close()
+            status, body = _http_get(bare.http, "/v1/id?agent=web")
+            assert status == 200 and int(body["id"]) > 0
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def _http_get(address: tuple[str, int], path: str) -> tuple[int, Any]:
+    host, port = address
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, json.loads(e.read())
+
+
+def test_a_full_thrift_port_keeps_its_reserve_for_peer_checks_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with _Bare(thrift_max=1, reserve=1) as bare:
+        first = bare.client()
+        assert first.get_id("first") > 0  # admitted: the one slot is taken
+        reserved = bare.client()
+        assert reserved.get_worker_id() == 0  # a joining node's check passes
+        assert reserved.get_layout().worker_id == 0
+        with pytest.raises(thrift.UnavailableError, match="may only check the node's ids"):
+            reserved.get_id("reserved")
+        assert reserved.get_worker_id() == 0, "the reserved connection stays usable"
+        with caplog.at_level(logging.WARNING, logger="snowflake_server._serving.server"):
+            assert _closed_at_once(bare.thrift)  # beyond the limit and the reserve
+            assert _closed_at_once(bare.thrift)
+        assert caplog.text.count("refusing thrift connections") == 1  # logged once per 10 s
+        counts = bare.counts()
+        assert counts['snowflake_connections_rejected_total{protocol="thrift"}'] == 2
+        assert first.get_id("first") > 0
+
+
+def test_a_reserved_connection_is_closed_when_its_time_is_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server_module, "RESERVED_FOR_S", 0.2)
+    with _Bare(thrift_max=1, reserve=1) as bare:
+        assert bare.client().get_id("first") > 0
+        with socket.create_connection(bare.thrift, timeout=5) as reserved:
+            assert read_to_close(reserved) == b""  # closed after 0.2 s, never asked a thing
+
+
+class _Ticks:
+    interval_s = 0.01
+
+    def __init__(self) -> None:
+        self.late: list[float] = []
+        self.rested = threading.Event()
+
+    def turned(self, late_s: float) -> None:
+        self.late.append(late_s)
+
+    def rest(self) -> None:
+        self.rested.set()
+
+
+def test_the_loop_ticks_are_counted_and_turn_waits_exported() -> None:
+    ticks = _Ticks()
+    clock = iter(range(10**9))  # each request costs a whole second of a 0.1 ms quantum
+    with _Bare(ticks=ticks, clock=lambda: float(next(clock))) as bare:
+        wait_until(lambda: len(ticks.late) >= 3, "the loop ticks")
+        client = bare.client()
+        ids = [client.get_ids("costly", 2) for _ in range(3)]
+        assert [len(i) for i in ids] == [2, 2, 2]
+        # Every call after the first overdrew the connection: its next waits a turn.
+        assert bare.counts()["snowflake_turn_waits_total"] >= 2
+    assert ticks.rested.is_set() and all(late >= 0 for late in ticks.late)
+
+
+def test_new_tls_connections_take_the_context_set_since() -> None:
+    ca = trustme.CA()
+    certs = [ca.issue_cert("127.0.0.1"), ca.issue_cert("127.0.0.1")]
+    contexts = []
+    for cert in certs:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        cert.configure_cert(context)
+        contexts.append(context)
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+
+    def served_cert(address: tuple[str, int]) -> bytes | None:
+        raw = socket.create_connection(address, timeout=5)
+        with client_context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            return tls.getpeercert(binary_form=True)
+
+    bare = _Bare()
+    bare.server.set_tls(contexts[0])  # before it serves: its ports are made with it
+    with bare:
+        ders = [ssl.PEM_cert_to_DER_cert(c.cert_chain_pems[0].bytes().decode()) for c in certs]
+        assert served_cert(bare.thrift) == served_cert(bare.http) == ders[0]
+        bare.server.set_tls(contexts[1])  # a certificate reloaded while serving
+        assert served_cert(bare.thrift) == served_cert(bare.http) == ders[1]
 
 
 def _alive(prefix: str) -> int:

@@ -1,10 +1,10 @@
-"""The event-loop server's connections: pipelined and split requests, floods and
-readers that never read, and calls that must wait, on the real server in this
-process."""
+"""The serving core's connections (snowflake_server/_serving/connection.py): pipelined
+and split requests, floods and readers that never read, calls that must wait, credit
+and turns, the idle and request deadlines; on the real server in this process, and
+event by event on a fake transport."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,25 +22,22 @@ import pytest
 import trustme
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from snowflake_server._http.connection import HttpConnection
-from snowflake_server._thrift.connection import Shared
-from snowflake_thrift_client._idl import snowflake_thrift
-from thriftpy2.protocol.binary import TBinaryProtocol
 from thriftpy2.thrift import TApplicationException, TMessageType
 
 from snowflake_server import GeneratorSettings, IdGenerator, ServerSettings, decompose
 from snowflake_server._ids.clocks import wall_clock_ms
 from snowflake_server._ids.generator import forbid_waiting
-from snowflake_server._observability.metrics import NO_METHOD, ServiceMetrics
-from snowflake_server._service import SnowflakeHandler
+from snowflake_server._observability.metrics import NO_METHOD
+from snowflake_server._serving import connection
 from snowflake_server._serving.listeners import new_event_loop, started_threads
-from snowflake_server._thrift import connection
-from snowflake_server._thrift.processor import Processor, service_methods
+from snowflake_server._serving.refusal import Refused
 from tests.support.endpoints import encode_call
-from tests.support.fakes import FakeTransport
 from tests.support.inprocess import InProcessServer
 from tests.support.processes import failures, parse_metrics
+from tests.support.serving import Driven, StepClock, ThriftReader, one_turn
 from tests.support.waiting import run_in_thread, wait_until
+
+OPEN = 'snowflake_connections_open{protocol="thrift"}'
 
 
 @pytest.fixture(scope="module", params=["framed", "buffered"])
@@ -55,41 +51,6 @@ def connect(server: InProcessServer) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
-
-
-class _Reader:
-    """Reads replies off a socket, as a client of either transport does."""
-
-    def __init__(self, sock: socket.socket, framed: bool) -> None:
-        self._sock = sock
-        self._framed = framed
-        self._buf = b""
-
-    def pending(self) -> bool:
-        return bool(self._buf)
-
-    def read(self, n: int) -> bytes:
-        while len(self._buf) < n:
-            chunk = self._sock.recv(65536)
-            if not chunk:
-                raise EOFError("the server closed the connection")
-            self._buf += chunk
-        data, self._buf = self._buf[:n], self._buf[n:]
-        return data
-
-    def reply(self) -> tuple[str, int, int, Any]:
-        """(method name, message type, seqid, result struct or exception) of the next reply."""
-        if self._framed:
-            self.read(4)
-        protocol: Any = TBinaryProtocol(self)  # type: ignore[no-untyped-call]
-        name, mtype, seqid = protocol.read_message_begin()
-        service = snowflake_thrift().Snowflake
-        if mtype == TMessageType.EXCEPTION:
-            result: Any = TApplicationException()
-        else:
-            result = getattr(service, f"{name}_result")()
-        result.read(protocol)
-        return name, mtype, seqid, result
 
 
 _CALLS: dict[str, dict[str, Any]] = {
@@ -126,7 +87,7 @@ def test_pipelined_requests_split_anywhere_get_their_replies_in_order(
     with connect(shared) as sock:
         for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True):
             sock.sendall(stream[start:end])
-        reader = _Reader(sock, framed)
+        reader = ThriftReader(sock, framed)
         last_id = 0
         for seqid, method in enumerate(methods):
             name, mtype, got_seqid, result = reader.reply()
@@ -264,7 +225,8 @@ def test_a_client_gone_while_its_call_waits_still_has_its_ids_counted(tmp_path: 
             metrics = parse_metrics(server.metrics())
             return bool(
                 metrics['snowflake_ids_by_agent_total{agent="pipelined"}'] == 3
-                and metrics["snowflake_connections_open"] == 2  # the gone one is closed
+                and metrics['snowflake_connections_open{protocol="thrift"}']
+                == 2  # the gone one is closed
             )
 
         assert len(ids) == 2
@@ -305,7 +267,11 @@ def test_tls_close_notify_and_a_silent_handshake(
         raw = connect(server)
         tls = context.wrap_socket(raw, server_hostname="127.0.0.1")
         tls.sendall(call_bytes("get_worker_id", 1, framed=True))
-        assert _Reader(tls, framed=True).reply()[:3] == ("get_worker_id", TMessageType.REPLY, 1)
+        assert ThriftReader(tls, framed=True).reply()[:3] == (
+            "get_worker_id",
+            TMessageType.REPLY,
+            1,
+        )
         plain = tls.unwrap()  # close_notify: the server closes its side too
         assert plain.recv(1) == b""
         plain.close()
@@ -333,90 +299,25 @@ def test_an_idle_client_that_never_reads_its_replies_is_cut_off(tmp_path: Path) 
                     flood.send(call_bytes("get_id", 1, framed=True) * 2000)
             # Quiet now, with replies unsent: closed for good, not left waiting to flush.
             wait_until(
-                lambda: parse_metrics(server.metrics())["snowflake_connections_open"] == 0,
+                lambda: parse_metrics(server.metrics())[OPEN] == 0,
                 "the stuck connection closed",
             )
         assert server.raw_client().get_id("next") > 0
 
 
 # -- the connection's states, driven event by event --------------------------------------
-# The transport is a fake: each test hands the protocol the events a loop would (data,
-# pause, resume, a worker thread's outcome, the idle timer) in an order that a real
-# socket produces only by chance.
-
-
-class _Driven:
-    """A Connection on a fake transport, its loop never run: events are called by hand."""
-
-    def __init__(
-        self,
-        tmp_path: Path,
-        *,
-        framed: bool = True,
-        idle: float = 0.0,
-        generator: IdGenerator | None = None,
-        kind: type[connection.Connection] = connection.Connection,
-    ) -> None:
-        self.loop = new_event_loop()
-        if generator is None:
-            generator = IdGenerator(GeneratorSettings())
-        metrics = ServiceMetrics(generator, service_methods(), max_agents=8)
-        self.metrics = metrics
-        self.shared = Shared(
-            loop=self.loop,
-            make_processor=lambda stats: Processor(
-                SnowflakeHandler(generator, metrics, stats, wall_clock_ms), stats
-            ),
-            metrics=metrics,
-            executor=ThreadPoolExecutor(1),
-            framed=framed,
-            max_frame_size=65536,
-            idle_timeout=idle,
-            tls=None,
-            admit=self._admit,
-        )
-        self.transport = FakeTransport()
-        self.connection = kind(self.shared)
-        self.connection.connection_made(self.transport)  # type: ignore[arg-type]
-
-    def _admit(self, conn: connection.Connection) -> bool:
-        self.shared.connections.add(conn)
-        return True
-
-    def replies(self) -> list[tuple[str, int, int, Any]]:
-        data = b"".join(self.transport.written)
-        self.transport.written.clear()
-        reader = _Reader(_Bytes(data), self.shared.framed)  # type: ignore[arg-type]
-        out = []
-        while reader.pending() or data:
-            data = b""
-            out.append(reader.reply())
-        return out
-
-    def close(self) -> None:
-        self.shared.executor.shutdown()
-        self.loop.close()
-
-
-class _Bytes:
-    """recv() over fixed bytes, for _Reader."""
-
-    def __init__(self, data: bytes) -> None:
-        self._data = data
-
-    def recv(self, n: int) -> bytes:
-        chunk, self._data = self._data[:n], self._data[n:]
-        return chunk
+# tests/support/serving.py: a Connection on a fake transport, each event (data, pause,
+# resume, a worker thread's outcome, a deadline's look, a turn of the loop) called by hand.
 
 
 @pytest.fixture
-def driven(tmp_path: Path) -> Iterator[_Driven]:
-    made = _Driven(tmp_path)
+def driven() -> Iterator[Driven]:
+    made = Driven()
     yield made
     made.close()
 
 
-def test_a_paused_writer_is_served_again_when_it_resumes(driven: _Driven) -> None:
+def test_a_paused_writer_is_served_again_when_it_resumes(driven: Driven) -> None:
     conn, transport = driven.connection, driven.transport
     conn.pause_writing()
     assert not transport.reading
@@ -427,34 +328,202 @@ def test_a_paused_writer_is_served_again_when_it_resumes(driven: _Driven) -> Non
     assert transport.reading
 
 
-def test_more_than_a_turn_of_requests_waits_for_the_next_turn(driven: _Driven) -> None:
-    conn, transport = driven.connection, driven.transport
-    conn.data_received(call_bytes("get_timestamp", 7, framed=True) * 40)
-    assert len(driven.replies()) == 32 and not transport.reading  # the others' turn now
-    driven.loop.run_until_complete(asyncio.sleep(0))  # the loop gives it its next turn
-    assert len(driven.replies()) == 8 and transport.reading
+def test_a_flood_spends_its_credit_and_is_served_a_quantum_per_turn() -> None:
+    # Each request costs 1 of a quantum of 8 (the clock moves 1 per read): the first
+    # turn serves 8 requests (the connection's credit), each later one 7 (a quantum
+    # less the batch's last look at the clock), and the connection is not read while
+    # it waits. The old server served 32 requests per turn, whatever they cost.
+    made = Driven(quantum=8)
+    try:
+        conn, transport = made.connection, made.transport
+        conn.data_received(call_bytes("get_timestamp", 7, framed=True) * 40)
+        assert len(made.replies()) == 8 and not transport.reading  # the others' turn now
+        assert len(made.turns) == 1
+        for _ in range(4):
+            one_turn(made.loop)  # the turn queue gives it its next quantum
+            assert len(made.replies()) == 7 and not transport.reading
+        one_turn(made.loop)
+        assert len(made.replies()) == 4 and transport.reading and len(made.turns) == 0
+        assert made.turns.waits == 5
+    finally:
+        made.close()
+
+
+def test_a_request_costing_more_than_its_credit_waits_its_turns_unread() -> None:
+    clock = StepClock(step=5)
+    made = Driven(quantum=2, clock=clock)
+    try:
+        conn, transport = made.connection, made.transport
+        conn.data_received(call_bytes("get_worker_id", 1, framed=True) * 2)
+        # The first request cost 5 (and the batch's last look 5 more): credit -8, the
+        # second request waits, and nothing more is read meanwhile.
+        assert [r[2] for r in made.replies()] == [1]
+        assert conn.credit == -8 and not transport.reading and len(made.turns) == 1
+        clock.step = 1
+        conn.data_received(call_bytes("get_worker_id", 2, framed=True))  # already in flight
+        for _ in range(4):  # overdrawn by 4 quanta: 4 rounds without a turn
+            one_turn(made.loop)
+            assert made.replies() == [] and not transport.reading
+        one_turn(made.loop)
+        assert [r[2] for r in made.replies()] == [1, 2] and transport.reading
+        assert len(made.turns) == 0
+    finally:
+        made.close()
+
+
+def test_a_connection_that_overdrew_on_its_last_request_pays_before_its_next() -> None:
+    # One costly request at a time (a client that waits for each reply) pays too: it
+    # is not a flood, yet its overdraft is not forgiven when its next request comes.
+    clock = StepClock(step=5)
+    made = Driven(quantum=2, clock=clock)
+    try:
+        conn, transport = made.connection, made.transport
+        conn.data_received(call_bytes("get_worker_id", 1, framed=True))
+        assert [r[2] for r in made.replies()] == [1]
+        assert conn.credit == -8 and transport.reading and len(made.turns) == 0  # no work
+        clock.step = 1
+        conn.data_received(call_bytes("get_worker_id", 2, framed=True))
+        assert made.replies() == [] and not transport.reading and len(made.turns) == 1
+        for _ in range(4):
+            one_turn(made.loop)
+        assert made.replies() == []
+        one_turn(made.loop)
+        assert [r[2] for r in made.replies()] == [2] and transport.reading
+    finally:
+        made.close()
+
+
+def test_a_connection_with_credit_left_is_served_at_once_each_time_it_sends() -> None:
+    made = Driven(quantum=8)
+    try:
+        conn = made.connection
+        for seqid in range(3):  # 15 requests in all, more than a quantum, 5 at a time
+            conn.data_received(call_bytes("get_timestamp", seqid, framed=True) * 5)
+            assert [r[2] for r in made.replies()] == [seqid] * 5  # inline: no turn of the loop
+        # Each read starts a fresh turn: its credit is back to a quantum, never queued.
+        assert made.turns.waits == 0 and made.transport.reading
+    finally:
+        made.close()
+
+
+def test_a_new_tls_connection_has_no_credit_its_handshake_waits_for_a_turn(
+    tmp_path: Path,
+) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(context)
+    made = Driven(tls=context)
+    try:
+        conn, transport = made.connection, made.transport
+        assert conn.credit == 0
+        client_context = ssl.create_default_context()
+        ca.configure_trust(client_context)
+        hello = ssl.MemoryBIO()
+        client = client_context.wrap_bio(ssl.MemoryBIO(), hello, server_hostname="127.0.0.1")
+        with contextlib.suppress(ssl.SSLWantReadError):
+            client.do_handshake()
+        conn.data_received(hello.read())
+        assert transport.written == [] and not transport.reading and len(made.turns) == 1
+        one_turn(made.loop)  # its turn: the handshake is answered
+        assert transport.written and transport.reading and not transport.closed
+    finally:
+        made.close()
+
+
+def _thrift_timeout_refusal(made: Driven) -> Any:
+    (reply,) = made.replies()
+    assert reply[1] == TMessageType.EXCEPTION
+    return reply[3]
+
+
+def test_a_request_not_whole_within_the_request_timeout_is_refused_however_it_trickles() -> None:
+    made = Driven(request_timeout=1.0)  # looked at every 0.25 s
+    try:
+        conn, transport = made.connection, made.transport
+        partial = call_bytes("get_id", 1, framed=True)[:-1]
+        conn.data_received(partial[:1])
+        for i in range(1, 5):  # a byte per look: never idle, never whole
+            conn._check()
+            assert not transport.closed, f"closed after {i} looks"
+            conn.data_received(partial[i : i + 1])
+        conn._check()  # a whole --request-timeout since the request's first look
+        error = _thrift_timeout_refusal(made)
+        assert error.type == TApplicationException.PROTOCOL_ERROR
+        assert "--request-timeout 1 s" in error.message
+        assert transport.closed and not transport.aborted
+        assert made.metrics.totals().exceptions == {("request_timeout", NO_METHOD): 1}
+    finally:
+        made.close()
+
+
+def test_a_request_timeout_with_replies_unread_aborts() -> None:
+    made = Driven(request_timeout=1.0)
+    try:
+        made.transport.buffered = 100  # replies the client has not read
+        made.connection.data_received(b"\x00\x00")
+        for _ in range(5):
+            made.connection._check()
+        assert made.transport.aborted
+    finally:
+        made.close()
+
+
+def test_a_client_whose_requests_keep_completing_is_never_cut_by_the_request_timeout() -> None:
+    made = Driven(request_timeout=1.0)
+    try:
+        conn, transport = made.connection, made.transport
+        call = call_bytes("get_worker_id", 1, framed=True)
+        stream = call * 21
+        half = len(call) // 2
+        conn.data_received(stream[:half])  # always half a request left over
+        for n in range(20):
+            start = half + n * len(call)
+            conn.data_received(stream[start : start + len(call)])
+            conn._check()
+            conn._check()  # 40 looks in all: ten request timeouts
+        assert not transport.closed and len(made.replies()) == 20
+    finally:
+        made.close()
+
+
+def test_an_http_head_not_whole_within_the_request_timeout_is_a_408() -> None:
+    made = Driven(protocol="http", request_timeout=1.0)
+    try:
+        made.connection.data_received(b"GET /v1/id?agent=a HTTP/1.1\r\nHo")
+        for _ in range(4):
+            made.connection._check()
+        assert made.transport.written == []
+        made.connection._check()
+        head, body = made.written().split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head
+        assert json.loads(body)["error"] == "request_timeout"
+        assert made.transport.closed
+        assert made.metrics.totals().exceptions == {("request_timeout", NO_METHOD): 1}
+    finally:
+        made.close()
 
 
 def test_idle_checks_close_a_quiet_connection_and_abort_one_with_unread_replies(
     tmp_path: Path,
 ) -> None:
     for unread in (0, 100):
-        made = _Driven(tmp_path, idle=60)
+        made = Driven(idle=60)
         try:
             made.transport.buffered = unread
             conn = made.connection
             conn.data_received(call_bytes("get_worker_id", 1, framed=True))
-            conn._check_idle()  # it read since the last look
+            conn._check()  # it read since the last look
             for _ in range(3):
-                conn._check_idle()
+                conn._check()
                 assert not made.transport.closed
-            conn._check_idle()  # a whole timeout without a read
+            conn._check()  # a whole timeout without a read
             assert made.transport.closed and made.transport.aborted == bool(unread)
         finally:
             made.close()
 
 
-def test_a_worker_threads_outcomes(driven: _Driven) -> None:
+def test_a_worker_threads_outcomes(driven: Driven) -> None:
     conn, transport = driven.connection, driven.transport
     cancelled = driven.loop.create_future()
     cancelled.cancel()
@@ -464,10 +533,10 @@ def test_a_worker_threads_outcomes(driven: _Driven) -> None:
 
 
 def test_a_worker_threads_refusal_is_sent_before_the_close(tmp_path: Path) -> None:
-    made = _Driven(tmp_path)
+    made = Driven()
     try:
         refused = made.loop.create_future()
-        refused.set_exception(connection.Refused("protocol_error", "undecodable request: x"))
+        refused.set_exception(Refused("protocol_error", "undecodable request: x"))
         made.connection._busy = True
         made.connection._after_thread(refused)
         (reply,) = made.replies()
@@ -475,7 +544,7 @@ def test_a_worker_threads_refusal_is_sent_before_the_close(tmp_path: Path) -> No
         assert made.transport.closed
         failed = made.loop.create_future()
         failed.set_exception(RuntimeError("a bug"))
-        other = _Driven(tmp_path)
+        other = Driven()
         try:
             other.connection._busy = True
             other.connection._after_thread(failed)
@@ -486,7 +555,7 @@ def test_a_worker_threads_refusal_is_sent_before_the_close(tmp_path: Path) -> No
         made.close()
 
 
-def test_gone_while_busy_is_finished_after_the_thread(driven: _Driven) -> None:
+def test_gone_while_busy_is_finished_after_the_thread(driven: Driven) -> None:
     conn = driven.connection
     conn._busy = True
     conn.connection_lost(ConnectionResetError("reset"))
@@ -497,7 +566,7 @@ def test_gone_while_busy_is_finished_after_the_thread(driven: _Driven) -> None:
     assert conn not in driven.shared.connections and driven.transport.written == []
 
 
-def test_a_drain_serves_what_was_received_then_closes(driven: _Driven) -> None:
+def test_a_drain_serves_what_was_received_then_closes(driven: Driven) -> None:
     conn, transport = driven.connection, driven.transport
     conn.pause_writing()
     conn.data_received(call_bytes("get_worker_id", 3, framed=True) * 2)
@@ -509,7 +578,7 @@ def test_a_drain_serves_what_was_received_then_closes(driven: _Driven) -> None:
 
 
 def test_malformed_buffered_bytes_are_refused_with_a_reply(tmp_path: Path) -> None:
-    made = _Driven(tmp_path, framed=False)
+    made = Driven(framed=False)
     try:
         made.connection.data_received(b"\x80\x01\x00\x01\x00\x00\x00\x01x\x00\x00\x00\x01\x63")
         (reply,) = made.replies()
@@ -530,7 +599,7 @@ def test_a_call_still_waiting_past_the_grace_is_cut_off_and_issues_nothing_after
     offset[0] = -2900  # longer than the stop's grace (1.5 s) and the 1 s after it
     thread, outcome = run_in_thread(lambda: client.get_id("too-late"))
     assert read_behind.wait(10), "the call reached the server"
-    with caplog.at_level(logging.WARNING, logger="snowflake_server._thrift.server"):
+    with caplog.at_level(logging.WARNING, logger="snowflake_server._serving.server"):
         server.stop()
     thread.join(20)
     assert "still busy after 1.5 s" in caplog.text
@@ -550,7 +619,7 @@ def test_a_call_that_must_wait_with_no_thread_to_run_on_is_refused_and_counted(
 ) -> None:
     now = [wall_clock_ms()]
     generator = IdGenerator(GeneratorSettings(max_backwards_ms=1000), clock=lambda: now[0])
-    made = _Driven(tmp_path, generator=generator)
+    made = Driven(generator=generator)
     pool = started_threads(1, "test-wait")
     pool.shutdown()  # it takes no call, as when no thread can be had
     made.shared.executor = pool
@@ -574,7 +643,7 @@ def test_a_call_that_must_wait_with_no_thread_to_run_on_is_refused_and_counted(
 def test_an_http_call_with_no_thread_to_run_on_is_a_503_unavailable(tmp_path: Path) -> None:
     now = [wall_clock_ms()]
     generator = IdGenerator(GeneratorSettings(max_backwards_ms=1000), clock=lambda: now[0])
-    made = _Driven(tmp_path, generator=generator, kind=HttpConnection)
+    made = Driven(generator=generator, protocol="http")
     pool = started_threads(1, "test-wait")
     pool.shutdown()
     made.shared.executor = pool
