@@ -202,11 +202,12 @@ class Connection(asyncio.Protocol):
                 return
         if self._closing:
             return  # refused or closed: what it still sends is not read
-        if self._waiting or self.credit <= 0:
+        turns = self._turns
+        if self._waiting or self.credit <= 0 or turns.spent >= turns.budget_s:
             self._inbox += data
             self._wait_turn()
             return
-        self.credit = self._turns.quantum_s  # a fresh turn
+        self.credit = turns.quantum_s  # a fresh turn
         self._serve(data)
 
     def eof_received(self) -> bool:
@@ -253,7 +254,9 @@ class Connection(asyncio.Protocol):
 
     def _serve(self, data: bytes) -> None:
         """Take in ``data``, then serve the whole requests received while credit lasts."""
-        if not data and self.credit <= 0 and not self._draining:
+        turns = self._turns
+        spent = self.credit <= 0 or turns.spent >= turns.budget_s
+        if not data and spent and not self._draining:
             # Woken by a thread's reply or a client reading again, with its share spent:
             # what it has left waits for its turn like anyone's.
             if self._has_work() and not (self._busy or self._closing):
@@ -303,9 +306,11 @@ class Connection(asyncio.Protocol):
                         self._draining = True  # close after this reply, as asked
                         break
                 now, now_owed = clock(), meter.owed
-                self.credit -= now - started + now_owed - owed
+                cost = now - started + now_owed - owed
+                self.credit -= cost
+                turns.charge(cost)
                 started, owed = now, now_owed
-                if self.credit <= 0 and not self._draining:
+                if (self.credit <= 0 or turns.spent >= turns.budget_s) and not self._draining:
                     break
         except Refused as e:
             self._refuse(e)
@@ -315,11 +320,14 @@ class Connection(asyncio.Protocol):
         finally:
             if pos:
                 del buf[:pos]
-        self.credit -= clock() - started + meter.owed - owed
+        cost = clock() - started + meter.owed - owed
+        self.credit -= cost
+        turns.charge(cost)
         if self._draining and not (self._busy or self._closing):
             self._close()
             return
-        if self.credit <= 0 and not (self._closing or self._busy) and self._has_work():
+        spent = self.credit <= 0 or turns.spent >= turns.budget_s
+        if spent and not (self._closing or self._busy) and self._has_work():
             self._wait_turn()
             return
         self._update_reading()

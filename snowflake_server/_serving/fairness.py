@@ -41,7 +41,8 @@ __all__ = ["QUANTUM_S", "TURN_BUDGET_S", "TurnQueue", "Turns"]
 QUANTUM_S = 0.0001
 """Loop time a connection may spend per turn (about 20 plain ``get_id`` calls)."""
 TURN_BUDGET_S = 0.002
-"""Loop time the queue spends per turn of the loop before letting it turn."""
+"""Loop time serving may spend per turn of the loop (about twice that at most) before
+what arrives waits for the next turn."""
 
 
 class Turns(Protocol):
@@ -55,9 +56,16 @@ class Turns(Protocol):
 
 
 class TurnQueue:
-    """Connections waiting for credit, served in turn within a budget per loop turn.
+    """The loop's turns: what serving has cost in this turn of the loop, and the
+    connections waiting for a later one, served within a budget per turn.
 
-    ``clock`` reads seconds (``time.perf_counter``; a fake one in tests).
+    Connections charge what each request cost (:meth:`charge`); once a turn has
+    spent ``budget_s``, what arrives waits for the next turn. Two lanes wait:
+    connections with credit, deferred only because the turn's budget was spent
+    (served first, with a fresh quantum: a cheap client is answered in the next
+    turn), and connections that overspent, given a quantum per round until their
+    credit is positive again (deficit round robin). ``clock`` reads seconds
+    (``time.perf_counter``; a fake one in tests).
     """
 
     def __init__(
@@ -70,49 +78,83 @@ class TurnQueue:
     ) -> None:
         self._loop = loop
         self.quantum_s = quantum_s
-        self._budget_s = budget_s
+        self.budget_s = budget_s
         self.clock = clock
-        self._waiting: collections.deque[Turns] = collections.deque()
+        self.spent = 0.0
+        """Loop time (s) serving has cost since this turn of the loop began."""
+        self._turn_pending = False
+        self._turn = 0
+        self._fresh: collections.deque[Turns] = collections.deque()
+        self._owing: collections.deque[Turns] = collections.deque()
         self._queued: set[Turns] = set()
         self._scheduled = False
         self.waits = 0  # times a connection was put in the queue
 
     def __len__(self) -> int:
-        return len(self._waiting)
+        return len(self._queued)
+
+    def charge(self, seconds: float) -> None:
+        """Count ``seconds`` of serving against this turn of the loop."""
+        self.spent += seconds
+        if not self._turn_pending:
+            self._turn_pending = True
+            self._loop.call_soon(self._next_turn, self._turn)
+
+    def _next_turn(self, turn: int | None = None) -> None:
+        """A new turn of the loop: nothing spent in it yet (``turn``: the one it ends;
+        a turn already ended by :meth:`_run` is not ended twice)."""
+        if turn is None or turn == self._turn:
+            self._turn += 1
+            self._turn_pending = False
+            self.spent = 0.0
 
     def wait(self, connection: Turns) -> None:
         """Queue ``connection`` for a later turn (once, however often it is asked)."""
         if connection in self._queued:
             return
         self._queued.add(connection)
-        self._waiting.append(connection)
+        (self._fresh if connection.credit > 0 else self._owing).append(connection)
         self.waits += 1
+        self._schedule()
+
+    def forget(self, connection: Turns) -> None:
+        """Drop a connection that closed (it stays in its lane until its visit)."""
+        self._queued.discard(connection)
+
+    def _schedule(self) -> None:
         if not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self._run)
 
-    def forget(self, connection: Turns) -> None:
-        """Drop a connection that closed (it stays in the deque until its visit)."""
-        self._queued.discard(connection)
-
     def _run(self) -> None:
         self._scheduled = False
-        clock, quantum = self.clock, self.quantum_s
-        deadline = clock() + self._budget_s
-        # One round at most per loop turn: each waiting connection gets its quantum once.
-        for _ in range(len(self._waiting)):
-            connection = self._waiting.popleft()
-            if connection not in self._queued:
+        if self._turn_pending:
+            # What was charged is from an earlier turn, or from this one before the
+            # queue's own run: either way a turn spends at most about twice the budget.
+            self._next_turn()
+        budget, quantum, queued = self.budget_s, self.quantum_s, self._queued
+        fresh, owing = self._fresh, self._owing
+        # The fresh lane first, one round: each gets its turn until the budget is spent.
+        for _ in range(len(fresh)):
+            if self.spent >= budget:
+                break
+            connection = fresh.popleft()
+            if connection in queued:
+                queued.discard(connection)
+                connection.credit = quantum
+                connection.take_turn()
+        # Then one round of those that overspent: a quantum each.
+        for _ in range(len(owing)):
+            if self.spent >= budget:
+                break
+            connection = owing.popleft()
+            if connection not in queued:
                 continue  # closed while it waited
-            self._queued.discard(connection)
             connection.credit = min(quantum, connection.credit + quantum)
             if connection.credit > 0:
+                queued.discard(connection)
                 connection.take_turn()
             else:
-                self._queued.add(connection)  # still overdrawn: its next quantum next round
-                self._waiting.append(connection)
-            if clock() >= deadline:
-                break
-        if self._waiting and not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self._run)
+                owing.append(connection)  # still overdrawn: its next quantum next round
+        if fresh or owing:
+            self._schedule()

@@ -32,6 +32,7 @@ class _Conn:
         self._served.append(self.name)
         self._clock.advance(self._cost)
         self.credit -= self._cost
+        self._queue.charge(self._cost)
         if self._left:
             self._left -= 1
             self._queue.wait(self)
@@ -61,8 +62,9 @@ def test_a_connection_overdrawn_by_k_quanta_skips_k_rounds(
     queue.wait(heavy)
     queue.wait(light)
     rounds = [_turn(loop, served) for _ in range(5)]
-    # Its credit climbs a quantum a round (-2, -1, 0): served once it is above zero.
-    assert rounds == [["light"], ["light"], ["light"], ["heavy", "light"], ["heavy", "light"]]
+    # Its credit climbs a quantum a round (-2, -1, 0): served once it is above zero,
+    # after the connections with credit (served first in each turn).
+    assert rounds == [["light"], ["light"], ["light"], ["light", "heavy"], ["light", "heavy"]]
     assert heavy.credits_seen == [1.0, 1.0]  # a quantum each turn, never more
     assert light.credits_seen == [1.0] * 5
 
@@ -123,3 +125,18 @@ def test_one_round_per_turn_of_the_loop_however_often_one_asks(
         # Each asks for another turn during its own: served once per turn all the same,
         # so the loop turns (timers, new connections, other callbacks) between rounds.
         assert _turn(loop, served) == ["a", "b"]
+
+
+def test_a_connection_deferred_with_credit_goes_before_those_that_overspent(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    # A cheap client whose request came once the turn's budget was spent waits one
+    # turn, not behind every connection paying off its costly requests.
+    clock, served = SecondsClock(), list[str]()
+    queue = TurnQueue(loop, quantum_s=1.0, budget_s=2.0, clock=clock)
+    for name in ("owing-1", "owing-2", "owing-3"):
+        queue.wait(_Conn(name, queue, clock, served, credit=0.0, cost=1.0))
+    queue.charge(5.0)  # this turn's budget is spent
+    queue.wait(_Conn("cheap", queue, clock, served, credit=0.5))
+    assert _turn(loop, served) == ["cheap", "owing-1", "owing-2"]
+    assert _turn(loop, served) == ["owing-3"]
