@@ -127,7 +127,10 @@ class Connection(asyncio.Protocol):
         self._protocol: Protocol | None = None
         self._fast_reply: Callable[[bytes], bytes | None] | None = None
         self._peer: object = None
-        self.credit = shared.turns.quantum_s
+        # No credit until its first turn: a connection's first request is as yet unpriced,
+        # and a flood of new connections (one costly request each, or a TLS handshake:
+        # a signature) is paced by the turn queue, not served as fast as it arrives.
+        self.credit = 0.0
         self._waiting = False  # in the turn queue
         self._reading = True
         self._writable = True
@@ -172,8 +175,6 @@ class Connection(asyncio.Protocol):
             self._handshake_timer = self._shared.loop.call_later(
                 HANDSHAKE_TIMEOUT_S, self._handshake_expired
             )
-            # A handshake costs a signature: paced by the turn queue, never served on arrival.
-            self.credit = 0.0
         else:
             self._write = transport.write
             self._fast_reply = protocol.fast

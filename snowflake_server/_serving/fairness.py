@@ -14,15 +14,18 @@ it waited for were taken by others) and plus a batch's share of a ms of ids (see
   one call at a time, well under a quantum), until its credit is spent;
 - one whose credit is spent (a flood, or one expensive request that overdrew it)
   stops being read and waits in :class:`TurnQueue`, which gives each waiting
-  connection a quantum per visit (deficit round robin) and spends at most a
-  budget of loop time per turn of the loop, then lets the loop turn.
+  connection a quantum per visit (deficit round robin);
+- all serving, at once or from the queue, spends at most a budget of loop time per
+  turn of the loop; what arrives once it is spent waits for the next turn.
 
 So a client paying for costly requests waits in proportion to what it took, the
-loop turns at least every ``budget`` plus one request, and a cheap client is
+loop turns at least every twice the ``budget`` plus one request, and a cheap client is
 answered in the next turn whatever the others send. On an idle loop the queue
-runs every turn: a lone heavy client still gets all of it. New TLS connections
-start with no credit: their handshakes (a signature each) are paced by the
-queue, not served as fast as they arrive.
+runs every turn: a lone heavy client still gets all of it. New connections start
+with no credit: the first request of each (one costly call per connection, a TLS
+handshake: a signature) is paced by the queue, not served as fast as connections
+arrive, and a connection deferred with credit left (a cheap client that came once
+the turn's budget was spent) goes before every connection still paying.
 
 Hand-written: asyncio has no scheduling by cost (its callbacks run in order,
 each as long as it likes), and uvicorn's flow control is by bytes buffered.

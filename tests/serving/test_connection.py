@@ -406,6 +406,21 @@ def test_a_connection_with_credit_left_is_served_at_once_each_time_it_sends() ->
         made.close()
 
 
+def test_a_new_connection_has_no_credit_its_first_request_waits_for_a_turn() -> None:
+    # A flood of new connections, one costly request each, is paced by the queue.
+    made = Driven(established=False)
+    try:
+        conn, transport = made.connection, made.transport
+        assert conn.credit == 0
+        conn.data_received(call_bytes("get_worker_id", 1, framed=True))
+        assert transport.written == [] and not transport.reading and len(made.turns) == 1
+        one_turn(made.loop)  # its turn: answered, and read again
+        assert [r[:3] for r in made.replies()] == [("get_worker_id", TMessageType.REPLY, 1)]
+        assert transport.reading and len(made.turns) == 0
+    finally:
+        made.close()
+
+
 def test_a_new_tls_connection_has_no_credit_its_handshake_waits_for_a_turn(
     tmp_path: Path,
 ) -> None:

@@ -108,6 +108,8 @@ class Driven:
     ``quantum`` and ``clock`` set the turn queue's credit and its price of a request
     (by default a request costs 1 of a quantum of 100: credit never runs out unless a
     test says so). ``peer_check_only`` makes the protocol of a reserved slot.
+    ``established``: the connection has had its first turn (a new one has no credit
+    until then); a TLS connection is always new.
     """
 
     def __init__(
@@ -124,6 +126,7 @@ class Driven:
         tls: ssl.SSLContext | None = None,
         peer_check_only: bool = False,
         max_frame_size: int = 65536,
+        established: bool = True,
     ) -> None:
         # asyncio's own loop, not uvloop's: one_turn must run exactly one turn, and
         # uvloop's stop() lets a second one run first.
@@ -160,6 +163,8 @@ class Driven:
         self.transport = FakeTransport()
         self.connection = Connection(self.listener)
         self.connection.connection_made(self.transport)  # type: ignore[arg-type]
+        if established and tls is None:
+            self.connection.credit = quantum
 
     def _admit(self, conn: Connection) -> bool:
         self.listener.open.add(conn)
