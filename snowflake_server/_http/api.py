@@ -93,7 +93,7 @@ class HttpApi:
         close = not request.keep_alive
         method, path = request.method, request.path
         if method == "GET" and path == "/v1/id":
-            return self._id_response(request.query, close)
+            return self.id_response(request.query, close)
         if method != "GET" and not (method == "HEAD" and path not in _ISSUES_IDS):
             self._stats.count_exception("unknown_method", NO_METHOD)
             allow = "GET" if path in _ISSUES_IDS else "GET, HEAD"
@@ -103,7 +103,7 @@ class HttpApi:
                                   headers=(("Allow", allow),))  # fmt: skip
         return self._route(path, request.query, head=method == "HEAD", close=close)
 
-    def _id_response(self, query: str, close: bool) -> bytes:
+    def id_response(self, query: str, close: bool = False) -> bytes:
         """``GET /v1/id``: the common call, its agent read without parsing the query
         when it is the only parameter and needs no decoding."""
         started = time.perf_counter()

@@ -5,12 +5,19 @@ Keep-alive and pipelining are served in order; a request that cannot be trusted
 (malformed, too large, too slow) gets its error status and a close. Bytes are
 parsed at most ``_CHUNK`` at a time, so that the serving core prices each step
 and a buffer of a thousand pipelined requests is not parsed in one go.
+
+The fast path: a client repeating itself (most do) sends, read after read, the same
+bytes of one ``GET /v1/id`` kept alive. Bytes that were exactly one such request,
+parsed strictly and answered, are recognised by comparison the next time and
+answered without parsing or routing (0.6 of the cost of the whole way). Only those:
+a HEAD, a second request in the read, a body, or anything else goes the whole way.
 """
 
 from __future__ import annotations
 
 import collections
 
+from .._ids.generator import WouldBlock
 from .._observability.metrics import ConnectionStats
 from .._service import SnowflakeHandler
 from .._serving.refusal import Cause, Refused
@@ -52,9 +59,17 @@ class HttpProtocol:
         self._parser = RequestParser()
         self._parsed: collections.deque[Request] = collections.deque()
         self.closes = False
+        self._whole: tuple[bytes, Request] | None = None  # one read that was one request
+        self._repeat = b"\xff"  # the bytes of the last plain GET /v1/id answered
+        self._repeat_query = ""
 
     def fast(self, data: bytes) -> bytes | None:
-        return None  # parsing is a fraction of a call: every request goes the one way
+        if data != self._repeat or self._parsed or self._parser.mid_request:
+            return None
+        try:
+            return self._api.id_response(self._repeat_query)
+        except WouldBlock:
+            return None  # served the whole way, where it may wait on a thread
 
     def pending(self, buf: bytearray) -> bool:
         return bool(buf or self._parsed) or self._parser.mid_request
@@ -67,18 +82,31 @@ class HttpProtocol:
         if pos == len(buf):
             return None, pos
         end = min(len(buf), pos + _CHUNK)
+        chunk = bytes(buf[pos:end])
         try:
-            self._parsed.extend(self._parser.feed(bytes(buf[pos:end])))
+            parsed = self._parser.feed(chunk)
         except HttpError as e:
             raise Refused(
                 "protocol_error", str(e), _CAUSE_OF_STATUS.get(e.status, Cause.MALFORMED)
             ) from None
+        whole = len(parsed) == 1 and pos == 0 and end == len(buf)
+        self._whole = (chunk, parsed[0]) if whole and not self._parser.mid_request else None
+        self._parsed.extend(parsed)
         return (self._parsed.popleft() if self._parsed else None), end
 
     def reply(self, request: Request) -> bytes:
         reply = self._api.respond(request)
         if not request.keep_alive:
             self.closes = True
+        whole = self._whole
+        if (
+            whole is not None
+            and whole[1] is request
+            and request.method == "GET"
+            and request.path == "/v1/id"
+            and request.keep_alive
+        ):
+            self._repeat, self._repeat_query = whole[0], request.query
         return reply
 
     def refusal(self, error: Refused) -> bytes:

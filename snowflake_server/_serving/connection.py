@@ -307,7 +307,7 @@ class Connection(asyncio.Protocol):
                         self._draining = True  # close after this reply, as asked
                         break
                 now, now_owed = clock(), meter.owed
-                cost = now - started + now_owed - owed
+                cost = (now - started) + (now_owed - owed)
                 self.credit -= cost
                 turns.charge(cost)
                 started, owed = now, now_owed
@@ -321,7 +321,7 @@ class Connection(asyncio.Protocol):
         finally:
             if pos:
                 del buf[:pos]
-        cost = clock() - started + meter.owed - owed
+        cost = (clock() - started) + (meter.owed - owed)
         self.credit -= cost
         turns.charge(cost)
         if self._draining and not (self._busy or self._closing):

@@ -81,9 +81,7 @@ def http_get(address: tuple[str, int], path: str) -> tuple[int, bytes]:
     return status, body
 
 
-def responses(
-    data: bytes, heads: int = 0
-) -> list[tuple[int, dict[str, str], bytes]]:
+def responses(data: bytes, heads: int = 0) -> list[tuple[int, dict[str, str], bytes]]:
     """The HTTP/1.1 responses in ``data``, in order: (status, headers, body). Every
     response of this server has a Content-Length (none is chunked); the first ``heads``
     answer HEAD requests (no body, whatever their Content-Length says)."""

@@ -136,3 +136,30 @@ def test_each_refusal_has_its_own_status(http: Driven, request_: bytes, status: 
     http.connection.data_received(request_)
     (answer,) = _responses(http.written())
     assert answer.status == status and http.transport.closed
+
+
+def test_a_repeated_get_of_an_id_is_answered_by_the_fast_path_and_nothing_else_is(
+    http: Driven,
+) -> None:
+    conn = http.connection
+    request = _get("/v1/id?agent=fast")
+    conn.data_received(request)  # the whole way: parsed, routed, remembered
+    assert conn._protocol._repeat == request  # type: ignore[union-attr]
+    conn.data_received(request)  # the same bytes again: the fast path
+    conn.data_received(request)
+    first, *again = _responses(http.written())
+    ids = [int(a.json()["id"]) for a in (first, *again)]
+    assert len(again) == 2 and ids == sorted(set(ids))  # three ids, increasing
+    assert http.generator.counters().ids_generated == 3
+    # A HEAD is not the GET it resembles: 405, no id, whatever came before.
+    conn.data_received(_get("/v1/id?agent=fast", method="HEAD"))
+    [head] = _responses(http.written(), head_only=(0,))
+    assert head.status == 405 and http.generator.counters().ids_generated == 3
+    # Two of the remembered request in one read are two requests: both answered in full.
+    conn.data_received(request * 2)
+    assert [a.status for a in _responses(http.written())] == [200, 200]
+    # Half of it, then the other half: the parser holds the first half; no replay.
+    conn.data_received(request[:10])
+    conn.data_received(request[10:])
+    assert [a.status for a in _responses(http.written())] == [200]
+    assert http.generator.counters().ids_generated == 6
