@@ -85,7 +85,7 @@ def responses(data: bytes, heads: int = 0) -> list[tuple[int, dict[str, str], by
     """The HTTP/1.1 responses in ``data``, in order: (status, headers, body). Every
     response of this server has a Content-Length (none is chunked); the first ``heads``
     answer HEAD requests (no body, whatever their Content-Length says)."""
-    out = []
+    out: list[tuple[int, dict[str, str], bytes]] = []
     while data:
         head, sep, rest = data.partition(b"\r\n\r\n")
         assert sep, f"a response cut short: {data[:200]!r}"
