@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
-
-from snowflake_thrift_client._idl import layout_to_thrift
 
 from ._errors import InvalidUserAgentError
 from ._ids.generator import GeneratorSettings, IdSource
@@ -107,8 +104,3 @@ class SnowflakeHandler:
         if self._audit is not None:
             self._audit.record(ids, useragent, self._clock())  # type: ignore[arg-type]
         return ids
-
-    def get_layout(self) -> Any:
-        # Built per call: in cluster mode the worker id can change while serving.
-        settings = self._generator.settings
-        return layout_to_thrift(settings.layout, settings.datacenter_id, settings.worker_id)

@@ -46,7 +46,7 @@ from .openapi import openapi_document
 from .parser import Request
 from .responses import error_response, json_response, response
 
-__all__ = ["RETRY_AFTER_S", "HttpApi"]
+__all__ = ["RETRY_AFTER_S", "HttpApi", "plain_agent"]
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class HttpApi:
         when it is the only parameter and needs no decoding."""
         started = time.perf_counter()
         try:
-            agent = query[6:] if _plain_agent(query) else _one(_query(query), "agent",
+            agent = query[6:] if plain_agent(query) else _one(_query(query), "agent",
                                                                 InvalidUserAgentError)  # fmt: skip
             handler = self._handler
             id_ = handler.issue_id(handler.label(agent), agent)
@@ -207,7 +207,8 @@ def _one(query: dict[str, list[str]], name: str, missing: type[Exception]) -> st
     return values[0]
 
 
-def _plain_agent(query: str) -> bool:
+def plain_agent(query: str) -> bool:
+    """Whether ``query`` is ``agent=...`` alone, with nothing to decode."""
     return query.startswith("agent=") and not any(c in query for c in "&%+;")
 
 

@@ -137,13 +137,20 @@ class RequestParser:
         self._last: tuple[Request, int] | None = None
 
     @property
+    def error(self) -> HttpError | None:
+        """Why what followed the requests already returned cannot be served (answer it
+        after them, then close), or None."""
+        return self._error
+
+    @property
     def mid_request(self) -> bool:
         """Bytes of a request not yet complete were received (for a request deadline)."""
         return bool(self._head or self._body_left) and self._error is None
 
     def feed(self, data: bytes) -> list[Request]:
         """The requests completed by ``data``, in order (pipelining: several, or none
-        yet). Raises :class:`HttpError`."""
+        yet). Raises :class:`HttpError`; when good requests came before the bad one,
+        they are returned and the error is kept (:attr:`error`, raised by the next feed)."""
         if self._error is not None:
             raise self._error
         done = self._done = []
@@ -180,7 +187,9 @@ class RequestParser:
         except HttpError as e:
             self._error = e
             self._stopped = True
-            raise
+            if not done:
+                raise
+            # The requests before the bad one are answered first; the error comes next.
         return done
 
     def _head_end(self, data: bytes, pos: int) -> int:

@@ -10,7 +10,8 @@ The fast path: a client repeating itself (most do) sends, read after read, the s
 bytes of one ``GET /v1/id`` kept alive. Bytes that were exactly one such request,
 parsed strictly and answered, are recognised by comparison the next time and
 answered without parsing or routing (0.6 of the cost of the whole way). Only those:
-a HEAD, a second request in the read, a body, or anything else goes the whole way.
+a HEAD, a second request in the read, a body, a request begun in an earlier read,
+a query with more than the agent, or anything else goes the whole way.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .._ids.generator import WouldBlock
 from .._observability.metrics import ConnectionStats
 from .._service import SnowflakeHandler
 from .._serving.refusal import Cause, Refused
-from .api import RETRY_AFTER_S, HttpApi
+from .api import RETRY_AFTER_S, HttpApi, plain_agent
 from .parser import HttpError, Request, RequestParser
 from .responses import error_response
 
@@ -49,6 +50,12 @@ _KINDS = {
     Cause.TOO_SLOW: "request_timeout",
     Cause.INTERNAL: "internal_error",
 }
+
+
+def _refused(error: HttpError) -> Refused:
+    return Refused(
+        "protocol_error", str(error), _CAUSE_OF_STATUS.get(error.status, Cause.MALFORMED)
+    )
 
 
 class HttpProtocol:
@@ -79,18 +86,28 @@ class HttpProtocol:
             return None, pos  # after a request that closes, nothing more is served
         if self._parsed:
             return self._parsed.popleft(), pos
+        if self._parser.error is not None:  # after the requests before it were answered
+            raise _refused(self._parser.error)
         if pos == len(buf):
             return None, pos
         end = min(len(buf), pos + _CHUNK)
         chunk = bytes(buf[pos:end])
+        idle = not self._parser.mid_request
         try:
             parsed = self._parser.feed(chunk)
         except HttpError as e:
-            raise Refused(
-                "protocol_error", str(e), _CAUSE_OF_STATUS.get(e.status, Cause.MALFORMED)
-            ) from None
-        whole = len(parsed) == 1 and pos == 0 and end == len(buf)
-        self._whole = (chunk, parsed[0]) if whole and not self._parser.mid_request else None
+            raise _refused(e) from None
+        # Bytes that were exactly one request, with no body and nothing of another
+        # before or after them: what the fast path may recognise next time.
+        whole = (
+            idle
+            and len(parsed) == 1
+            and pos == 0
+            and end == len(buf)
+            and not self._parser.mid_request
+            and chunk.find(b"\r\n\r\n") == len(chunk) - 4
+        )
+        self._whole = (chunk, parsed[0]) if whole else None
         self._parsed.extend(parsed)
         return (self._parsed.popleft() if self._parsed else None), end
 
@@ -105,6 +122,7 @@ class HttpProtocol:
             and request.method == "GET"
             and request.path == "/v1/id"
             and request.keep_alive
+            and plain_agent(request.query)  # no query worth parsing: a replay costs little
         ):
             self._repeat, self._repeat_query = whole[0], request.query
         return reply

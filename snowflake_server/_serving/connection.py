@@ -16,7 +16,9 @@ the connection owns everything else, the same for both:
   (a client trickling a byte at a time is closed, whatever the idle timeout).
 - **Calls that wait** (a clock stepped back, a reservation to renew:
   ``WouldBlock``) are made again on a worker thread while this connection waits
-  and every other goes on.
+  and every other goes on; a call that met the generator held by such a thread
+  (``Contended``) tries again on the loop half a ms later, rather than queueing
+  behind the threads' calls.
 - **TLS** over memory buffers (:mod:`.tls`), its handshake bounded in time.
 - **Stop**: :meth:`Connection.drain` serves what was received, then closes.
 """
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 
 _WRITE_HIGH = 64 * 1024  # unsent reply bytes at which a connection stops being read
 _CHECKS = 4  # looks per deadline: a connection is closed within a quarter more
+_CONTENDED_RETRY_S = 0.0005  # a call that met a busy generator tries again after this
 HANDSHAKE_TIMEOUT_S = 5.0
 
 
@@ -135,19 +138,22 @@ class Connection(asyncio.Protocol):
         self._reading = True
         self._writable = True
         self._busy = False  # one of its calls runs on a worker thread
-        self._draining = False  # the server stops: serve what was received, then close
+        # The server stops, or its client asked to close (Connection: close, a TLS
+        # close_notify): read nothing more, serve what was received, then close.
+        self._draining = False
         self._closing = False
         self._finished = False
         self._lost = False  # gone while a call of its own ran on a thread
         self._read = False  # something was read since the deadline timer last looked
         self._served = 0  # requests served, for the request deadline
-        self._served_seen = -1
+        self._served_seen = 0
         self._quiet_checks = 0
         self._partial_checks = 0
         self._timer: asyncio.TimerHandle | None = None
         self._fast = False  # the protocol's fast path applies now
         self._make_protocol = listener.make_protocol
         self._held: Any = None  # a request taken in whose call met a busy generator
+        self._backoff: asyncio.TimerHandle | None = None  # until it tries that call again
         self._expiry: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ---------------------------------------------------------
@@ -254,36 +260,33 @@ class Connection(asyncio.Protocol):
         self._update_reading()
 
     def _serve(self, data: bytes) -> None:
-        """Take in ``data``, then serve the whole requests received while credit lasts."""
+        """Take in ``data``, then serve the whole requests received while this
+        connection's credit and the turn's budget last; then wait for a turn, read
+        on, or close (draining, with nothing left)."""
         turns = self._turns
-        spent = self.credit <= 0 or turns.spent >= turns.budget_s
-        if not data and spent and not self._draining:
-            # Woken by a thread's reply or a client reading again, with its share spent:
-            # what it has left waits for its turn like anyone's.
-            if self._has_work() and not (self._busy or self._closing):
-                self._wait_turn()
-            else:
-                self._update_reading()
-                self._update_fast()
-            return
         clock, meter = self._clock, METER
         started, owed = clock(), meter.owed
         if data:
             if self._tls is not None:
                 data = self._decrypt(self._tls, data)
             self._buf += data
-        buf = self._buf
-        protocol = self._protocol
+        buf, protocol = self._buf, self._protocol
         pos = 0
+        need_more = False  # what is left is not a whole request yet
         try:
-            while not (self._busy or self._closing) and (self._writable or self._draining):
-                if protocol is None:
-                    break
+            while (
+                protocol is not None
+                and self._writable
+                and not (self._busy or self._closing or self._backoff)
+                and self.credit > 0
+                and turns.spent < turns.budget_s
+            ):
                 if self._held is not None:
                     request, self._held = self._held, None
                 else:
                     request, end = protocol.next_request(buf, pos)
                     if end == pos and request is None:
+                        need_more = True
                         break
                     pos = end
                 if request is not None:
@@ -291,13 +294,12 @@ class Connection(asyncio.Protocol):
                     try:
                         reply = protocol.reply(request)
                     except Contended:
-                        if self._draining:  # no next turn: it waits on a thread
-                            self._to_thread(request)
-                            break
-                        # A worker thread's call holds the generator for a ms at most:
-                        # try again at this connection's next turn, on the loop.
+                        # A worker thread's call holds the generator: try again on the
+                        # loop a moment later, not queued behind the threads' calls.
                         self._held = request
-                        self.credit = min(self.credit, 0.0)
+                        self._backoff = self._shared.loop.call_later(
+                            _CONTENDED_RETRY_S, self._retry
+                        )
                         break
                     except WouldBlock:
                         self._to_thread(request)
@@ -307,12 +309,10 @@ class Connection(asyncio.Protocol):
                         self._draining = True  # close after this reply, as asked
                         break
                 now, now_owed = clock(), meter.owed
-                cost = (now - started) + (now_owed - owed)
-                self.credit -= cost
-                turns.charge(cost)
+                # The turn pays the loop time; the connection its price (see .fairness).
+                turns.charge(now - started)
+                self.credit -= (now - started) + (now_owed - owed)
                 started, owed = now, now_owed
-                if (self.credit <= 0 or turns.spent >= turns.budget_s) and not self._draining:
-                    break
         except Refused as e:
             self._refuse(e)
         except Exception:  # a bug: this client is told and closed, every other one goes on
@@ -321,25 +321,46 @@ class Connection(asyncio.Protocol):
         finally:
             if pos:
                 del buf[:pos]
-        cost = (clock() - started) + (meter.owed - owed)
-        self.credit -= cost
-        turns.charge(cost)
-        if self._draining and not (self._busy or self._closing):
-            self._close()
+        now = clock()
+        turns.charge(now - started)
+        self.credit -= (now - started) + (meter.owed - owed)
+        self._after_serving(need_more)
+
+    def _after_serving(self, need_more: bool) -> None:
+        """Wait for a turn if whole requests are left and no credit or budget for them;
+        close a draining connection with none left; else read as the state allows."""
+        if self._closing or self._busy or self._backoff:
+            self._update_reading()
+            self._update_fast()
             return
-        spent = self.credit <= 0 or turns.spent >= turns.budget_s
-        if spent and not (self._closing or self._busy) and self._has_work():
-            self._wait_turn()
+        turns = self._turns
+        if self._held is not None or (not need_more and self._has_work()):
+            if self.credit <= 0 or turns.spent >= turns.budget_s:
+                self._wait_turn()
+                return
+        elif self._draining:
+            self._close()
             return
         self._update_reading()
         self._update_fast()
 
+    def _retry(self) -> None:
+        self._backoff = None
+        if not (self._finished or self._closing):
+            self._serve(b"")
+
     def _has_work(self) -> bool:
-        return self._held is not None or bool(self._inbox) or self._pending()
+        return self._held is not None or self._pending()
 
     def _pending(self) -> bool:
-        protocol = self._protocol
-        return protocol is not None and protocol.pending(self._buf)
+        """Bytes or requests received and not yet answered: in its protocol's hands, in
+        its inbox while it waits for a turn, or an unfinished TLS record."""
+        protocol, tls = self._protocol, self._tls
+        return (
+            bool(self._inbox)
+            or (protocol is not None and protocol.pending(self._buf))
+            or (tls is not None and tls.buffered)
+        )
 
     def _to_thread(self, request: Any) -> None:
         """Make the call again on a worker thread; this connection waits for it."""
@@ -362,14 +383,19 @@ class Connection(asyncio.Protocol):
         if self._lost:
             self._finish()  # now that the call's counts are all in its stats
             return
+        if self._closing:
+            return  # its slot expired, or its client is gone: the answer has nowhere to go
         if isinstance(error, Refused):
             self._refuse(error)
             return
-        if future.cancelled() or error is not None:
-            # Cancelled: the server stopped before the call ran. An error: a bug, the
-            # request having decoded once already. Either way this client gets no reply.
+        if future.cancelled():
+            # The server stopped before the call ran: the client is told, then closed.
+            self._refuse(Refused("unavailable", "the server is stopping", Cause.UNAVAILABLE))
+            return
+        if error is not None:
+            # A bug, the request having decoded once already: told, logged, closed.
             log.error("closing connection from %s: its call failed: %r", self._peer, error)
-            self._close()
+            self._refuse(Refused("internal_error", "internal error", Cause.INTERNAL))
             return
         self._write(future.result())
         assert self._protocol is not None
@@ -382,7 +408,9 @@ class Connection(asyncio.Protocol):
         transport = self._transport
         if transport is None or self._closing:
             return
-        wanted = self._writable and not (self._busy or self._waiting or self._draining)
+        wanted = self._writable and not (
+            self._busy or self._waiting or self._draining or self._backoff
+        )
         if wanted != self._reading:
             self._reading = wanted
             if wanted:
@@ -391,6 +419,8 @@ class Connection(asyncio.Protocol):
                 transport.pause_reading()
 
     def _refuse(self, error: Refused) -> None:
+        if self._closing:
+            return  # already told why, or gone: nothing more is written
         assert self._stats is not None and self._protocol is not None
         self._stats.count_exception(error.kind, NO_METHOD)
         log.info("closing connection from %s: %s", self._peer, error)
@@ -434,7 +464,8 @@ class Connection(asyncio.Protocol):
 
     def _write_encrypted(self, plaintext: bytes) -> None:
         assert self._tls is not None and self._transport is not None
-        self._transport.write(self._tls.encrypt(plaintext))
+        if not self._closing:  # after the close_notify nothing more can be encrypted
+            self._transport.write(self._tls.encrypt(plaintext))
 
     def _handshake_expired(self) -> None:
         self._handshake_timer = None
@@ -469,9 +500,9 @@ class Connection(asyncio.Protocol):
         else:
             self._quiet_checks += 1
         # The request deadline: the same request still partly received, however many
-        # bytes trickled in meanwhile.
+        # bytes trickled in meanwhile (a TLS handshake has its own timer).
         tls = self._tls
-        handshaking = tls is not None and tls.mid_handshake  # its own timer bounds that
+        handshaking = tls is not None and tls.mid_handshake
         if (
             self._pending()
             and not (self._busy or handshaking)
@@ -482,7 +513,18 @@ class Connection(asyncio.Protocol):
             self._partial_checks = 0
         self._served_seen = self._served
         period = self._period()
-        if listener.request_timeout and self._partial_checks * period >= listener.request_timeout:
+        # First seen partial at most a period after its first byte: (n - 1) periods
+        # later it is at least that old.
+        late = listener.request_timeout and (
+            (self._partial_checks - 1) * period >= listener.request_timeout
+        )
+        idle = listener.idle_timeout and self._quiet_checks * period >= listener.idle_timeout
+        if self._closing:
+            if late or idle:
+                self._closing = True
+                self.abort()  # its close waits on replies it does not read
+                return
+        elif late:
             self._refuse(
                 Refused(
                     "request_timeout",
@@ -491,13 +533,11 @@ class Connection(asyncio.Protocol):
                 )
             )
             self._abort_if_stuck()
-            return
-        if listener.idle_timeout and self._quiet_checks * period >= listener.idle_timeout:
+        elif idle:
             log.debug("closing connection from %s: idle for %g s", self._peer,
                       listener.idle_timeout)  # fmt: skip
             self._close()
             self._abort_if_stuck()
-            return
         self._schedule_check()
 
     def _abort_if_stuck(self) -> None:
@@ -518,18 +558,15 @@ class Connection(asyncio.Protocol):
     # -- life cycle ---------------------------------------------------------------
 
     def drain(self) -> None:
-        """The server stops: read nothing more, serve the requests already received,
-        then close (after their replies)."""
+        """The server stops: read nothing more, serve the requests already received
+        (in turns, as ever), then close (after their replies)."""
         if self._finished or self._closing:
             return
         self._draining = True
         self._update_fast()
-        if self._transport is not None and self._reading:
-            self._reading = False
-            self._transport.pause_reading()
-        if self._waiting:
-            return  # served at its turn, then closed
-        self._serve(b"")
+        self._update_reading()
+        if not (self._waiting or self._busy or self._backoff):
+            self._serve(b"")  # served at its turn otherwise, then closed
 
     def abort(self) -> None:
         """Close at once, replies unsent or not (the server's grace ran out)."""
@@ -545,7 +582,7 @@ class Connection(asyncio.Protocol):
             self._lost = True
             return
         self._finished = True
-        for timer in (self._timer, self._handshake_timer, self._expiry):
+        for timer in (self._timer, self._handshake_timer, self._expiry, self._backoff):
             if timer is not None:
                 timer.cancel()
         shared = self._shared

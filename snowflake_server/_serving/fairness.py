@@ -18,14 +18,17 @@ it waited for were taken by others) and plus a batch's share of a ms of ids (see
 - all serving, at once or from the queue, spends at most a budget of loop time per
   turn of the loop; what arrives once it is spent waits for the next turn.
 
-So a client paying for costly requests waits in proportion to what it took, the
-loop turns at least every twice the ``budget`` plus one request, and a cheap client is
-answered in the next turn whatever the others send. On an idle loop the queue
-runs every turn: a lone heavy client still gets all of it. New connections start
-with no credit: the first request of each (one costly call per connection, a TLS
-handshake: a signature) is paced by the queue, not served as fast as connections
-arrive, and a connection deferred with credit left (a cheap client that came once
-the turn's budget was spent) goes before every connection still paying.
+So a client paying for costly requests waits in proportion to what it took, a turn of
+the loop serves at most about twice the ``budget`` plus one request, and a cheap
+client deferred by a spent budget (it goes before those still paying, every other
+turn) is answered within two turns whatever the others send. The lane of those
+paying goes first every other turn, so it is never starved by a flood of cheap
+clients. On an idle loop the queue runs every turn: a lone heavy client still gets
+all of it. New connections start with no credit: the first request of each (one
+costly call per connection, a TLS handshake: a signature) is paced by the queue,
+not served as fast as connections arrive. The turn's budget is charged the loop
+time itself, waits for the next ms included; only a connection's own price gives
+those waits back.
 
 Hand-written: asyncio has no scheduling by cost (its callbacks run in order,
 each as long as it likes), and uvicorn's flow control is by bytes buffered.
@@ -87,6 +90,7 @@ class TurnQueue:
         """Loop time (s) serving has cost since this turn of the loop began."""
         self._turn_pending = False
         self._turn = 0
+        self._owing_first = False
         self._fresh: collections.deque[Turns] = collections.deque()
         self._owing: collections.deque[Turns] = collections.deque()
         self._queued: set[Turns] = set()
@@ -135,21 +139,42 @@ class TurnQueue:
             # What was charged is from an earlier turn, or from this one before the
             # queue's own run: either way a turn spends at most about twice the budget.
             self._next_turn()
-        budget, quantum, queued = self.budget_s, self.quantum_s, self._queued
-        fresh, owing = self._fresh, self._owing
-        # The fresh lane first, one round: each gets its turn until the budget is spent.
-        for _ in range(len(fresh)):
-            if self.spent >= budget:
-                break
+        # The lanes take turns at going first: a flood of cheap clients cannot keep
+        # those paying off (a new connection among them) from ever being served.
+        self._owing_first = not self._owing_first
+        # One round per turn: those that join a lane during this run wait for the next.
+        fresh, owing = len(self._fresh), len(self._owing)
+        try:
+            if self._owing_first:
+                self._round_of_owing(owing)
+                self._round_of_fresh(fresh)
+            else:
+                self._round_of_fresh(fresh)
+                self._round_of_owing(owing)
+        finally:
+            if self._fresh or self._owing:
+                self._schedule()
+
+    def _round_of_fresh(self, count: int) -> None:
+        """The first ``count`` connections deferred with credit: a fresh quantum and
+        their turn each."""
+        fresh, queued = self._fresh, self._queued
+        for _ in range(count):
+            if self.spent >= self.budget_s:
+                return
             connection = fresh.popleft()
             if connection in queued:
                 queued.discard(connection)
-                connection.credit = quantum
+                connection.credit = self.quantum_s
                 connection.take_turn()
-        # Then one round of those that overspent: a quantum each.
-        for _ in range(len(owing)):
-            if self.spent >= budget:
-                break
+
+    def _round_of_owing(self, count: int) -> None:
+        """The first ``count`` overdrawn connections: a quantum each, and their turn
+        once above zero."""
+        owing, queued, quantum = self._owing, self._queued, self.quantum_s
+        for _ in range(count):
+            if self.spent >= self.budget_s:
+                return
             connection = owing.popleft()
             if connection not in queued:
                 continue  # closed while it waited
@@ -159,5 +184,3 @@ class TurnQueue:
                 connection.take_turn()
             else:
                 owing.append(connection)  # still overdrawn: its next quantum next round
-        if fresh or owing:
-            self._schedule()

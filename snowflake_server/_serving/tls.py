@@ -1,5 +1,5 @@
-"""TLS for the Thrift server: its context (optionally requiring client certificates:
-mutual TLS), and :class:`TlsSession`, one connection's TLS over memory buffers.
+"""TLS for every client port (Thrift and HTTP): its context (optionally requiring
+client certificates: mutual TLS), and :class:`TlsSession`, one connection's TLS over memory buffers.
 
 The session is hand-written over ``ssl.MemoryBIO`` rather than the event loop's
 own TLS (``create_server(ssl=...)`` or ``loop.start_tls``) because neither
@@ -64,6 +64,9 @@ class TlsSession:
         self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=True)
         self.established = False
         self.closed_by_peer = False
+        self.buffered = False
+        """The last bytes received after the handshake gave no plaintext: part of a
+        record (a request in the making, for the request deadline)."""
         self._received = False
 
     @property
@@ -75,6 +78,7 @@ class TlsSession:
         """Take ``data`` from the peer; return (plaintext received, bytes to send back)."""
         self._received = True
         self._incoming.write(data)
+        was_established = self.established
         if not self.established:
             try:
                 self._tls.do_handshake()
@@ -93,6 +97,7 @@ class TlsSession:
             pass
         except ssl.SSLZeroReturnError:
             self.closed_by_peer = True
+        self.buffered = was_established and not chunks and not self.closed_by_peer
         return b"".join(chunks), self._outgoing.read()
 
     def encrypt(self, plaintext: bytes) -> bytes:

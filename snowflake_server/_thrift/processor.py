@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 from snowflake_thrift_client._idl import (
     DECLARED_ERRORS,
     declared_exceptions,
+    layout_to_thrift,
     snowflake_thrift,
 )
 from thriftpy2.protocol import TCyBinaryProtocol
@@ -105,8 +106,16 @@ class Processor:
     def __init__(self, handler: SnowflakeHandler, stats: ConnectionStats) -> None:
         self.handler = handler
         self._stats = stats
+
+        def get_layout() -> Any:
+            # Built per call: in cluster mode the worker id can change while serving.
+            settings = handler.settings
+            return layout_to_thrift(settings.layout, settings.datacenter_id, settings.worker_id)
+
+        own = {"get_layout": get_layout}  # the Thrift struct is the Thrift side's to build
         self._methods = {
-            name: (spec, getattr(handler, name)) for name, spec in _method_specs().items()
+            name: (spec, own.get(name) or getattr(handler, name))
+            for name, spec in _method_specs().items()
         }
         self._label = handler.label
         self._issue_id = handler.issue_id

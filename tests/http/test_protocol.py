@@ -163,3 +163,43 @@ def test_a_repeated_get_of_an_id_is_answered_by_the_fast_path_and_nothing_else_i
     conn.data_received(request[10:])
     assert [a.status for a in _responses(http.written())] == [200]
     assert http.generator.counters().ids_generated == 6
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        pytest.param(_get("/v1/id?agent=a&x=1"), id="a query with more than the agent"),
+        pytest.param(
+            b"GET /v1/id?agent=a HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc",
+            id="a request with a body",
+        ),
+    ],
+)
+def test_only_a_plain_bodiless_get_of_an_id_is_remembered_for_the_fast_path(
+    http: Driven, first: bytes
+) -> None:
+    http.connection.data_received(first)
+    assert [a.status for a in _responses(http.written())] == [200]
+    assert http.connection._protocol._repeat != first  # type: ignore[union-attr]
+
+
+def test_bytes_that_end_a_request_begun_earlier_are_never_remembered(http: Driven) -> None:
+    # "...Ho" then "st: x\r\n\r\n": the second read alone is no request, and must not be
+    # answered as one if it comes again.
+    conn = http.connection
+    request = _get("/v1/id?agent=a")
+    cut = request.index(b"Host") + 2
+    conn.data_received(request[:cut])
+    conn.data_received(request[cut:])
+    assert [a.status for a in _responses(http.written())] == [200]
+    conn.data_received(request[cut:])
+    [answer] = _responses(http.written())
+    assert answer.status == 400
+
+
+def test_good_requests_before_a_malformed_one_are_answered_first(http: Driven) -> None:
+    conn = http.connection
+    conn.data_received(_get("/v1/id?agent=a") * 2 + b"GET / HTTP/1.1\nHost: x\n\n")
+    answers = _responses(http.written())
+    assert [a.status for a in answers] == [200, 200, 400]
+    assert http.transport.closed

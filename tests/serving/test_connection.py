@@ -5,6 +5,7 @@ event by event on a fake transport."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -543,8 +544,10 @@ def test_a_worker_threads_outcomes(driven: Driven) -> None:
     cancelled = driven.loop.create_future()
     cancelled.cancel()
     conn._busy = True
-    conn._after_thread(cancelled)  # the server stopped before the call ran: closed
-    assert transport.closed and driven.replies() == []
+    conn._after_thread(cancelled)  # the server stopped before the call ran: told, closed
+    [(_, mtype, _, error)] = driven.replies()
+    assert mtype == TMessageType.EXCEPTION and "the server is stopping" in error.message
+    assert error.type == TApplicationException.INTERNAL_ERROR and transport.closed
 
 
 def test_a_worker_threads_refusal_is_sent_before_the_close(tmp_path: Path) -> None:
@@ -562,8 +565,11 @@ def test_a_worker_threads_refusal_is_sent_before_the_close(tmp_path: Path) -> No
         other = Driven()
         try:
             other.connection._busy = True
-            other.connection._after_thread(failed)
-            assert other.transport.closed and other.replies() == []
+            other.connection._after_thread(failed)  # a bug: an answer all the same
+            [(_, mtype, _, error)] = other.replies()
+            assert mtype == TMessageType.EXCEPTION and error.message == "internal error"
+            assert error.type == TApplicationException.INTERNAL_ERROR
+            assert other.transport.closed
         finally:
             other.close()
     finally:
@@ -585,7 +591,9 @@ def test_a_drain_serves_what_was_received_then_closes(driven: Driven) -> None:
     conn, transport = driven.connection, driven.transport
     conn.pause_writing()
     conn.data_received(call_bytes("get_worker_id", 3, framed=True) * 2)
-    conn.drain()
+    conn.drain()  # its client reads nothing: the replies wait, as ever
+    assert driven.replies() == [] and not transport.closed
+    conn.resume_writing()
     assert [r[2] for r in driven.replies()] == [3, 3] and transport.closed
     conn.drain()  # again: nothing more
     conn.data_received(b"after the close")  # not read
@@ -677,4 +685,99 @@ def test_an_http_call_with_no_thread_to_run_on_is_a_503_unavailable(tmp_path: Pa
         assert made.transport.closed
     finally:
         forbid_waiting(False)
+        made.close()
+
+
+# -- what a review of the core found: each a scenario that once went wrong ---------------
+
+
+def _tls_pair(
+    made_tls: ssl.SSLContext, ca: trustme.CA
+) -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]:
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = client_context.wrap_bio(incoming, outgoing, server_hostname="127.0.0.1")
+    return client, incoming, outgoing
+
+
+def test_a_tls_record_trickled_a_byte_at_a_time_meets_the_request_deadline() -> None:
+    # The bytes of an unfinished TLS record wait in the TLS session, not in the
+    # connection's buffer: they are a request in the making all the same.
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    made = Driven(tls=context, request_timeout=1.0)
+    try:
+        conn, transport = made.connection, made.transport
+        client, incoming, outgoing = _tls_pair(context, ca)
+        for _ in range(4):  # the handshake, through the turn queue
+            with contextlib.suppress(ssl.SSLWantReadError):
+                client.do_handshake()
+            if outgoing.pending:
+                conn.data_received(outgoing.read())
+                one_turn(made.loop)
+            incoming.write(made.written())
+        client.write(call_bytes("get_worker_id", 1, framed=True))
+        record = outgoing.read()
+        for i in range(4):  # a byte per look: never idle, never whole
+            conn.data_received(record[i : i + 1])
+            one_turn(made.loop)
+            conn._check()
+            assert not transport.closed, f"closed after {i + 1} looks"
+        conn.data_received(record[4:5])
+        one_turn(made.loop)
+        conn._check()
+        assert transport.closed
+        assert made.metrics.totals().exceptions == {("request_timeout", NO_METHOD): 1}
+    finally:
+        made.close()
+
+
+def test_a_drain_serves_in_turns_not_all_at_once() -> None:
+    # Draining (the server's stop, a TLS close_notify, Connection: close) once served
+    # everything received in one go, whatever it cost.
+    made = Driven(quantum=8)
+    try:
+        conn, transport = made.connection, made.transport
+        conn.data_received(call_bytes("get_timestamp", 7, framed=True) * 20)
+        assert len(made.replies()) == 8
+        conn.drain()
+        for expected in (7, 5):
+            one_turn(made.loop)
+            assert len(made.replies()) == expected
+        assert transport.closed
+    finally:
+        made.close()
+
+
+def test_a_call_that_meets_a_busy_generator_tries_again_on_the_loop() -> None:
+    made = Driven()
+    forbid_waiting()  # as on the serving loop's thread
+    try:
+        conn, transport = made.connection, made.transport
+        made.generator._lock.acquire()  # a worker thread's call holds it
+        conn.data_received(call_bytes("get_id", 1, framed=True))
+        assert made.replies() == [] and not transport.reading  # held, and not read
+        made.generator._lock.release()
+        made.loop.run_until_complete(asyncio.sleep(0.01))  # its retry, half a ms later
+        [(name, mtype, _, result)] = made.replies()
+        assert (name, mtype) == ("get_id", TMessageType.REPLY) and result.success > 0
+        assert transport.reading
+    finally:
+        forbid_waiting(False)
+        made.close()
+
+
+def test_a_deadline_on_a_closing_connection_with_unread_replies_aborts_it_once() -> None:
+    made = Driven(request_timeout=1.0)
+    try:
+        made.transport.buffered = 100  # replies the client has not read
+        made.connection.data_received(b"\xff\xff\xff\xff")  # refused: closing
+        assert made.transport.closed and not made.transport.aborted
+        for _ in range(6):
+            made.connection._check()
+        assert made.transport.aborted
+        assert made.metrics.totals().exceptions == {("frame_too_large", NO_METHOD): 1}
+    finally:
         made.close()

@@ -127,16 +127,51 @@ def test_one_round_per_turn_of_the_loop_however_often_one_asks(
         assert _turn(loop, served) == ["a", "b"]
 
 
-def test_a_connection_deferred_with_credit_goes_before_those_that_overspent(
+def test_a_connection_deferred_with_credit_is_served_within_two_turns(
     loop: asyncio.AbstractEventLoop,
 ) -> None:
-    # A cheap client whose request came once the turn's budget was spent waits one
-    # turn, not behind every connection paying off its costly requests.
+    # A cheap client whose request came once the turn's budget was spent waits at most
+    # two turns, not behind every connection paying off its costly requests: the
+    # lanes take turns at going first.
     clock, served = SecondsClock(), list[str]()
     queue = TurnQueue(loop, quantum_s=1.0, budget_s=2.0, clock=clock)
-    for name in ("owing-1", "owing-2", "owing-3"):
+    for name in ("owing-1", "owing-2", "owing-3", "owing-4", "owing-5"):
         queue.wait(_Conn(name, queue, clock, served, credit=0.0, cost=1.0))
     queue.charge(5.0)  # this turn's budget is spent
     queue.wait(_Conn("cheap", queue, clock, served, credit=0.5))
-    assert _turn(loop, served) == ["cheap", "owing-1", "owing-2"]
-    assert _turn(loop, served) == ["owing-3"]
+    assert _turn(loop, served) == ["owing-1", "owing-2"]  # the owing lane's turn first
+    assert _turn(loop, served) == ["cheap", "owing-3", "owing-4"]  # then the fresh lane's
+    assert _turn(loop, served) == ["owing-5"]
+
+
+def test_a_flood_of_cheap_clients_does_not_starve_those_paying(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    # Cheap clients that always come back with credit fill the fresh lane past the
+    # budget; a new connection (no credit yet) is served all the same, every other turn.
+    clock, served = SecondsClock(), list[str]()
+    queue = TurnQueue(loop, quantum_s=2.0, budget_s=3.0, clock=clock)
+    for n in range(6):
+        queue.wait(_Conn(f"cheap-{n}", queue, clock, served, credit=1.0, cost=1.0, left=99))
+    new = _Conn("new", queue, clock, served, credit=0.0, cost=1.0)
+    queue.wait(new)
+    turns = [_turn(loop, served) for _ in range(2)]
+    assert "new" in turns[0] + turns[1]
+    assert all(len(turn) == 3 for turn in turns)  # the budget holds every turn
+
+
+def test_a_turn_that_fails_leaves_the_others_queued_and_served(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    clock, served = SecondsClock(), list[str]()
+    queue = TurnQueue(loop, quantum_s=1.0, budget_s=100.0, clock=clock)
+
+    class _Broken(_Conn):
+        def take_turn(self) -> None:
+            raise RuntimeError("a bug")
+
+    queue.wait(_Broken("broken", queue, clock, served, credit=0.0))  # owing: first this turn
+    queue.wait(_Conn("after", queue, clock, served, credit=0.5))
+    loop.set_exception_handler(lambda _loop, _context: None)  # the bug, reported
+    assert _turn(loop, served) == []  # the failing turn ends this run
+    assert _turn(loop, served) == ["after"]  # the queue runs on all the same
