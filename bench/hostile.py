@@ -740,6 +740,7 @@ class ReadyzPoller:
         self._address = address
         self._stop = threading.Event()
         self.statuses: Counter[str] = Counter()
+        self.reasons: Counter[str] = Counter()  # why, for each answer other than 200
         self._thread = threading.Thread(target=self._run, name="readyz", daemon=True)
 
     def __enter__(self) -> ReadyzPoller:
@@ -757,7 +758,12 @@ class ReadyzPoller:
             conn = http.client.HTTPConnection(*self._address, timeout=READYZ_EVERY_S * 4)
             try:
                 conn.request("GET", "/readyz")
-                self.statuses[str(conn.getresponse().status)] += 1
+                response = conn.getresponse()
+                body = response.read()
+                self.statuses[str(response.status)] += 1
+                if response.status != 200:
+                    with contextlib.suppress(ValueError, AttributeError):
+                        self.reasons[str(json.loads(body).get("reason", ""))[:70]] += 1
             except (OSError, http.client.HTTPException):
                 self.statuses["no answer"] += 1
             finally:
@@ -798,6 +804,7 @@ class Result:
     closed: int
     verdicts: dict[str, int]
     readyz: dict[str, int]
+    readyz_reasons: dict[str, int] = field(default_factory=dict)
 
     def ms(self, q: float) -> float:
         return self.victim.percentile(q) / 1e6 if self.victim.count else float("nan")
@@ -877,6 +884,7 @@ def measure(target: Target, kind: Kind, connections: int, plan: Plan) -> Result:
         server_cpu_s=cpu_after - cpu_before, client_cpu_s=delta("cpu_s"),
         hostile_processes=len(reports), connects=int(delta("connects")),
         closed=int(delta("closed")), verdicts=dict(verdicts), readyz=dict(poller.statuses),
+        readyz_reasons=dict(poller.reasons),
     )  # fmt: skip
 
 
@@ -963,6 +971,8 @@ def _notes(r: Result) -> str:
     if r.client_busy > 0.9 and r.server_busy < 0.9:
         notes.append(f"hostile client CPU {r.client_busy:.0%} (client-bound)")
     notes.append(f"replies {r.received_bytes / 1024 / r.seconds:,.0f} KB/s")
+    for reason, n in sorted(r.readyz_reasons.items()):
+        notes.append(f"/readyz not 200 {n}x: {reason}")
     shown = ", ".join(f"{v} {n:,}" for v, n in sorted(r.verdicts.items()))
     return "; ".join([*notes, f"first replies: {shown or 'none'}"])
 

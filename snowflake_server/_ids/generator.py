@@ -419,10 +419,14 @@ class IdGenerator:
         return ids
 
     def _acquire_contended(self) -> None:
-        """Take the lock another call holds: wait for it, unless this thread must not
-        wait (that call may be sleeping out a clock step under the lock)."""
+        """Take the lock another call holds: wait for it; on a thread that must not
+        wait, a ms at most (a scrape reading the counters, the renewal raising the
+        ceiling let go at once, given the GIL a blocking wait hands them), then
+        ``Contended`` (that call may be sleeping out a clock step under the lock)."""
         if waiting_forbidden():
-            raise Contended("another call holds the generator")
+            if not self._lock.acquire(timeout=_LOOP_WAIT_LIMIT_MS / 1000):
+                raise Contended("another call holds the generator")
+            return
         self._acquire()
 
     @property
