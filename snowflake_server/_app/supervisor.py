@@ -24,7 +24,7 @@ it has exited (one in uninterruptible sleep dies only when its I/O completes: no
 waits for that, and no second process of it starts meanwhile): after ``UNRESPONSIVE_POLLS``
 failures in a row spanning ``UNRESPONSIVE_S`` if it certainly does not work (its
 process is stopped or traced, or it answers 503: its serving loop has not turned for
-30 s), or spanning ``UNANSWERED_S`` if it only does not answer while its process runs
+--live-max-stall), or spanning ``UNANSWERED_S`` if it only does not answer while its process runs
 (starved of CPU under overload, or its admin port flooded: capacity is needed most
 then). Restarts wait a delay that doubles from 0.5 s up to 30 s and starts over once a
 child has served for a minute. SIGKILL skips the final marks, which is safe: the mark
@@ -106,9 +106,9 @@ UNANSWERED_S = 15.0
 """A child whose process runs but does not answer its ``/livez`` in time is killed only
 after this. Its admin thread answers unless the process is starved of CPU (overload: a
 kill would cut capacity when it is needed most), its admin port is flooded, or it holds
-the GIL in a stuck call; the child's own liveness tolerates a 30 s stall of its serving
-loop, and half that replaces a process stuck for good well before a pod's liveness
-probe (3 failures 10 s apart by default) would restart the whole pod."""
+the GIL in a stuck call; the child's own liveness tolerates a stall of its serving loop
+of --live-max-stall (30 s by default), and 15 s replaces a process stuck for good well
+before a pod's liveness probe (3 failures 10 s apart by default) would restart the whole pod."""
 ANSWER_BOUND_S = 5.0
 """The supervisor's ``/readyz`` uses a child's answers from the latest round no older
 than this (a round takes at most ~2 s: 0.5 s, then answers due within

@@ -71,7 +71,8 @@ class HttpProtocol:
         self._repeat_query = ""
 
     def fast(self, data: bytes) -> bytes | None:
-        if data != self._repeat or self._parsed or self._parser.mid_request:
+        parser = self._parser
+        if data != self._repeat or self._parsed or parser.mid_request or parser.error:
             return None
         try:
             return self._api.id_response(self._repeat_query)
@@ -79,7 +80,10 @@ class HttpProtocol:
             return None  # served the whole way, where it may wait on a thread
 
     def pending(self, buf: bytearray) -> bool:
-        return bool(buf or self._parsed) or self._parser.mid_request
+        if self.closes:
+            return False  # nothing after a request that closes is served
+        parser = self._parser
+        return bool(buf or self._parsed) or parser.mid_request or parser.error is not None
 
     def next_request(self, buf: bytearray, pos: int) -> tuple[Request | None, int]:
         if self.closes:

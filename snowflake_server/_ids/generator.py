@@ -265,6 +265,7 @@ class IdGenerator:
             raise ConfigurationError("a clock sequence with a reservation needs switch")
         self._switch = switch
         self._sealed = False
+        self._long_hold = False  # a call waits out a clock step, or writes a switch, under the lock
         self._max_sequence = layout.max_sequence
         self._ms_per_id = 0.001 / (layout.max_sequence + 1)  # seconds of id capacity per id
         self._max_ts = layout.max_timestamp_ms
@@ -422,9 +423,12 @@ class IdGenerator:
         """Take the lock another call holds: wait for it; on a thread that must not
         wait, a ms at most (a scrape reading the counters, the renewal raising the
         ceiling let go at once, given the GIL a blocking wait hands them), then
-        ``Contended`` (that call may be sleeping out a clock step under the lock)."""
+        ``Contended``; at once if that call is sleeping out a clock step or writing a
+        clock-sequence switch under the lock."""
         if waiting_forbidden():
-            if not self._lock.acquire(timeout=_LOOP_WAIT_LIMIT_MS / 1000):
+            # Not at all while the holder waits out a clock step or writes a switch: the
+            # loop would stall a ms per try for as long as that lasts.
+            if self._long_hold or not self._lock.acquire(timeout=_LOOP_WAIT_LIMIT_MS / 1000):
                 raise Contended("another call holds the generator")
             return
         self._acquire()
@@ -499,7 +503,11 @@ class IdGenerator:
                 if not waited_back:
                     waited_back = True
                     self.clock_backwards_waited += 1
-                self._sleep(behind / 1000)
+                self._long_hold = True
+                try:
+                    self._sleep(behind / 1000)
+                finally:
+                    self._long_hold = False
             now = self._clock()
 
     def _switch_clock_sequence(
@@ -527,7 +535,11 @@ class IdGenerator:
             raise WouldBlock(f"the clock is {behind} ms behind: a clock-sequence switch writes")
         ceiling = self._max_ts
         if self._switch is not None:
-            ceiling = self._switch(value, now)
+            self._long_hold = True
+            try:
+                ceiling = self._switch(value, now)
+            finally:
+                self._long_hold = False
             if ceiling < now:
                 raise ReservationError(
                     f"switch({value}, {now}) returned {ceiling}, before the ms asked for"

@@ -481,6 +481,8 @@ class Connection(asyncio.Protocol):
     def _update_fast(self) -> None:
         self._fast = (
             self._fast_reply is not None
+            and self._held is None
+            and self._backoff is None
             and not (self._buf or self._inbox or self._busy or self._closing or self._draining)
             and not self._waiting
             and self.credit > 0
@@ -503,9 +505,13 @@ class Connection(asyncio.Protocol):
         # bytes trickled in meanwhile (a TLS handshake has its own timer).
         tls = self._tls
         handshaking = tls is not None and tls.mid_handshake
+        # Not while the server holds it back (a call on a thread, its replies unread, its
+        # turn or a retry awaited): the deadline is the client's, for its own bytes.
+        held_back = self._busy or handshaking or self._waiting or self._backoff
         if (
             self._pending()
-            and not (self._busy or handshaking)
+            and self._writable
+            and not held_back
             and self._served == self._served_seen
         ):
             self._partial_checks += 1

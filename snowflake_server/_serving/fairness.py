@@ -19,9 +19,10 @@ it waited for were taken by others) and plus a batch's share of a ms of ids (see
   turn of the loop; what arrives once it is spent waits for the next turn.
 
 So a client paying for costly requests waits in proportion to what it took, a turn of
-the loop serves at most about twice the ``budget`` plus one request, and a cheap
-client deferred by a spent budget (it goes before those still paying, every other
-turn) is answered within two turns whatever the others send. The lane of those
+the loop serves at most about twice the ``budget`` plus one request (besides the
+protocols' fast paths: one plain call per read, never charged), and a cheap client
+deferred by a spent budget waits in a lane that goes first every other turn, served
+in order within it. The lane of those
 paying goes first every other turn, so it is never starved by a flood of cheap
 clients. On an idle loop the queue runs every turn: a lone heavy client still gets
 all of it. New connections start with no credit: the first request of each (one

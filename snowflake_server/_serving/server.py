@@ -53,6 +53,25 @@ RESERVED_FOR_S = 5.0
 """How long a connection admitted over the limit (peer checks only) may stay."""
 
 
+_serving_now = [0, 0.0]  # servers serving in this process, the interval before the first
+_serving_lock = threading.Lock()
+
+
+def _switching(serving: bool) -> None:
+    """The switch interval is the process's: set by the first server to serve, restored
+    by the last to stop (servers may overlap: tests, embedding)."""
+    with _serving_lock:
+        if serving:
+            if not _serving_now[0]:
+                _serving_now[1] = sys.getswitchinterval()
+                sys.setswitchinterval(min(_serving_now[1], _SWITCH_INTERVAL_S))
+            _serving_now[0] += 1
+        else:
+            _serving_now[0] -= 1
+            if not _serving_now[0]:
+                sys.setswitchinterval(_serving_now[1])
+
+
 class LoopTicks(Interface):
     """What watches the loop: told at each tick how late its timer fired."""
 
@@ -195,12 +214,11 @@ class Server:
         # dozens: at the default 5 ms a write took 270 ms under a flood (the mark 0.7 s
         # ahead instead of 1 s, /readyz 503 once), at 1 ms 15 ms. Threads that ask
         # nothing cost nothing.
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, _SWITCH_INTERVAL_S))
+        _switching(True)
         try:
             await self._serve_until_stopped(loop, grace_s)
         finally:
-            sys.setswitchinterval(interval)
+            _switching(False)
             forbid_waiting(False)
             if self._ticks is not None:
                 self._ticks.rest()

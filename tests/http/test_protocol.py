@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from snowflake_server._observability.metrics import NO_METHOD
-from tests.support.serving import Driven
+from tests.support.serving import Driven, one_turn
 
 
 class _Response:
@@ -203,3 +203,24 @@ def test_good_requests_before_a_malformed_one_are_answered_first(http: Driven) -
     answers = _responses(http.written())
     assert [a.status for a in answers] == [200, 200, 400]
     assert http.transport.closed
+
+
+def test_a_request_that_closes_closes_whatever_follows_it_in_the_read(http: Driven) -> None:
+    # More than a parse step (4 KiB) after it: never parsed, and no reason to stay open.
+    http.connection.data_received(_get("/v1/layout", close=True) + b"x" * 5000)
+    [answer] = _responses(http.written())
+    assert answer.status == 200 and http.transport.closed
+
+
+def test_the_400_after_good_requests_comes_at_the_next_turn_when_their_turn_is_spent() -> None:
+    made = Driven(protocol="http", quantum=2)  # two requests a turn
+    try:
+        conn = made.connection
+        conn.data_received(_get("/v1/id?agent=a") * 2 + b"GET / HTTP/1.1\nHost: x\n\n")
+        assert [a.status for a in _responses(made.written())] == [200, 200]
+        assert not made.transport.closed and len(made.turns) == 1  # the error waits its turn
+        one_turn(made.loop)
+        [refused] = _responses(made.written())
+        assert refused.status == 400 and made.transport.closed
+    finally:
+        made.close()

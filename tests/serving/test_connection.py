@@ -781,3 +781,19 @@ def test_a_deadline_on_a_closing_connection_with_unread_replies_aborts_it_once()
         assert made.metrics.totals().exceptions == {("frame_too_large", NO_METHOD): 1}
     finally:
         made.close()
+
+
+def test_a_whole_request_held_back_by_its_unread_replies_is_no_late_request() -> None:
+    # The request deadline is for a client's own bytes, not for what the server holds.
+    made = Driven(request_timeout=1.0)
+    try:
+        conn, transport = made.connection, made.transport
+        conn.pause_writing()  # its client reads nothing
+        conn.data_received(call_bytes("get_worker_id", 1, framed=True))
+        for _ in range(8):
+            conn._check()
+        assert not transport.closed and made.metrics.totals().exceptions == {}
+        conn.resume_writing()
+        assert [r[:3] for r in made.replies()] == [("get_worker_id", TMessageType.REPLY, 1)]
+    finally:
+        made.close()
