@@ -59,18 +59,11 @@ def refuses_connections(port: int) -> bool:
     return False
 
 
-def cluster_flags(zk: ZooKeeper, zk_path: str) -> tuple[str, ...]:
-    return (
-        "--zookeeper", zk.hosts, "--zk-path", zk_path, "--zk-session-timeout", SESSION,
-        "--zk-connect-timeout", "5", "--advertise-host", "127.0.0.1",
-    )  # fmt: skip
-
-
 @pytest.mark.zookeeper
 def test_a_starting_node_refuses_connections_and_says_starting(
     zookeeper: ZooKeeper, zk_path: str
 ) -> None:
-    flags = cluster_flags(zookeeper, zk_path)
+    flags = zookeeper.node_flags(zk_path, SESSION)
     holder = start_server(*flags, "--worker-id", "5")
     port, metrics_port = free_port(), free_port()
     # Refused worker 5, it retries twice 1 s apart (the holder might be its own ghost),
@@ -98,7 +91,7 @@ def test_a_starting_node_refuses_connections_and_says_starting(
 
 @pytest.mark.zookeeper
 def test_a_registered_node_is_ready_and_says_where(zookeeper: ZooKeeper, zk_path: str) -> None:
-    node = start_server(*cluster_flags(zookeeper, zk_path), "--worker-id", "auto")
+    node = start_server(*zookeeper.node_flags(zk_path, SESSION), "--worker-id", "auto")
     try:
         status, body = show("registered", probe(node.metrics_port))
         assert status == 200 and body["phase"] == "serving"
@@ -173,7 +166,7 @@ def test_a_full_disk_makes_the_node_unready_until_space_returns(small_disk: Path
 def test_a_stopped_zookeeper_makes_the_node_unready_but_alive(
     own_zk: ZooKeeper, zk_path: str
 ) -> None:
-    node = start_server(*cluster_flags(own_zk, zk_path), "--worker-id", "auto")
+    node = start_server(*own_zk.node_flags(zk_path, SESSION), "--worker-id", "auto")
     try:
         assert probe(node.metrics_port)[0] == 200
         own_zk.stop()

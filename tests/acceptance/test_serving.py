@@ -287,19 +287,12 @@ def test_an_http_head_trickled_a_byte_at_a_time_gets_408_at_its_deadline(
 # -- 3. a joining node's peer check on a full node ----------------------------------------
 
 
-def _cluster_flags(zookeeper: ZooKeeper, zk_path: str) -> tuple[str, ...]:
-    return (
-        "--zookeeper", zookeeper.hosts, "--zk-path", zk_path, "--zk-session-timeout", "3",
-        "--zk-connect-timeout", "5", "--advertise-host", "127.0.0.1",
-    )  # fmt: skip
-
-
 @pytest.mark.zookeeper
 @pytest.mark.slow
 def test_a_node_joins_beside_a_node_whose_slots_are_full(
     zookeeper: ZooKeeper, zk_path: str, servers: Callable[..., ServerProcess]
 ) -> None:
-    cluster = _cluster_flags(zookeeper, zk_path)
+    cluster = zookeeper.node_flags(zk_path)
     full = servers(*cluster, "--worker-id", "1", "--max-connections", "4")
     with ExitStack() as stack:
         hold(stack, (full.host, full.port), 4)
@@ -318,7 +311,7 @@ def test_a_node_joins_beside_a_node_whose_slots_are_full(
 def test_a_node_joins_once_a_held_reserve_slot_expires(
     zookeeper: ZooKeeper, zk_path: str, servers: Callable[..., ServerProcess]
 ) -> None:
-    cluster = _cluster_flags(zookeeper, zk_path)
+    cluster = zookeeper.node_flags(zk_path)
     full = servers(*cluster, "--worker-id", "1", "--max-connections", "4")
     with ExitStack() as stack:
         # The reserve held too: the check is refused until a reserved slot's 5 s run out,

@@ -141,19 +141,12 @@ def test_a_sighup_while_starting_tells_systemd_nothing(
 # -- cluster mode: the same, and the registration removed -------------------------------
 
 
-def cluster_flags(zk: ZooKeeper, zk_path: str) -> tuple[str, ...]:
-    return (
-        "--zookeeper", zk.hosts, "--zk-path", zk_path, "--zk-session-timeout", "3",
-        "--zk-connect-timeout", "5", "--advertise-host", "127.0.0.1",
-    )  # fmt: skip
-
-
 @pytest.mark.zookeeper
 def test_a_stop_during_the_cluster_s_first_start_wait_deregisters_and_writes_no_mark(
     zookeeper: ZooKeeper, zk: KazooClient, zk_path: str, tmp_path: Path
 ) -> None:
     state_dir = tmp_path / "state"
-    flags = cluster_flags(zookeeper, zk_path)
+    flags = zookeeper.node_flags(zk_path)
     for attempt in ("first", "second"):
         with spawned(*flags, state_dir=state_dir, first_start_wait=_LONG_WAIT) as server:
             waits_first_start(server)
@@ -175,7 +168,7 @@ def test_a_stop_during_the_peer_checks_ends_them(
         peer.settimeout(20)
         address = f"127.0.0.1:{peer.getsockname()[1]}"
         zk.create(f"{zk_path}/nodes/0/5", address.encode(), makepath=True)
-        with spawned(*cluster_flags(zookeeper, zk_path), "--worker-id", "1") as server:
+        with spawned(*zookeeper.node_flags(zk_path), "--worker-id", "1") as server:
             for _ in range(2):  # asked, and asked again: in the checks
                 peer.accept()[0].close()
             assert stopped(server) == 0, server.log()

@@ -419,23 +419,30 @@ class Stderr:
         return self._text.count(what)
 
 
-def test_a_process_not_ready_in_time_is_stopped_with_sigterm(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    """Not SIGKILL (which leaves a cluster registration until its session expires),
-    and "try again" (75), not "starting could repeat ids" (3)."""
+@contextlib.contextmanager
+def waiting_to_start(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> Iterator[Child]:
+    """A child of :func:`slow_starter`, spawned and in its first-start wait; reaped after."""
     settings = slow_starter(tmp_path)
     child = Child(0, settings, configured_origin(settings))
     err = Stderr(capfd)
     child.spawn()
     try:
         wait_until(lambda: err.count("waiting --first-start-wait") == 1, "its first-start wait")
+        yield child
+    finally:
+        child.reap()
+
+
+def test_a_process_not_ready_in_time_is_stopped_with_sigterm(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Not SIGKILL (which leaves a cluster registration until its session expires),
+    and "try again" (75), not "starting could repeat ids" (3)."""
+    with waiting_to_start(tmp_path, capfd) as child:
         started = time.monotonic()
         with pytest.raises(StartupDeferred, match=r"not ready within 0 s: stopped \(exit code 0\)"):
             child.wait_ready(0.0)  # its limit is over
         took = time.monotonic() - started
-    finally:
-        child.reap()
     assert took < 2.5, f"stopped {took:.2f} s after its limit"
 
 
@@ -949,18 +956,11 @@ def test_a_process_that_exits_0_unasked_while_starting_is_try_again(
 ) -> None:
     """A stray SIGTERM to the process, not to the supervisor: exiting 0 would leave
     systemd's Restart=on-failure idle with nothing serving."""
-    settings = slow_starter(tmp_path)
-    child = Child(0, settings, configured_origin(settings))
-    err = Stderr(capfd)
-    child.spawn()
-    try:
-        wait_until(lambda: err.count("waiting --first-start-wait") == 1, "its first-start wait")
+    with waiting_to_start(tmp_path, capfd) as child:
         assert child.process is not None
         child.process.send_signal(signal.SIGTERM)
         with pytest.raises(StartupDeferred, match=r"did not start \(exit code 0\)"):
             child.wait_ready(stopping=threading.Event())
-    finally:
-        child.reap()
 
 
 def test_a_stop_between_the_check_and_a_spawn_still_stops_that_process(

@@ -62,6 +62,15 @@ class ZooKeeper:
     def client(self) -> KazooClient:
         return KazooClient(hosts=self.hosts, timeout=10.0)
 
+    def node_flags(self, zk_path: str, session_timeout: str = "3") -> tuple[str, ...]:
+        """A server's flags to join this ZooKeeper's cluster under ``zk_path``, on
+        loopback, failing fast (a 5 s connect timeout)."""
+        return (
+            "--zookeeper", self.hosts, "--zk-path", zk_path,
+            "--zk-session-timeout", session_timeout, "--zk-connect-timeout", "5",
+            "--advertise-host", "127.0.0.1",
+        )  # fmt: skip
+
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:
             self._process.terminate()
