@@ -29,12 +29,6 @@ from .responses import error_response
 __all__ = ["HttpProtocol"]
 
 _CHUNK = 4096
-_CAUSE_OF_STATUS = {
-    413: Cause.TOO_LARGE,
-    431: Cause.HEAD_TOO_LARGE,
-    501: Cause.NOT_IMPLEMENTED,
-    505: Cause.VERSION,
-}
 _STATUS_OF_CAUSE = {
     Cause.MALFORMED: 400,
     Cause.TOO_LARGE: 413,
@@ -45,6 +39,7 @@ _STATUS_OF_CAUSE = {
     Cause.UNAVAILABLE: 503,
     Cause.INTERNAL: 500,
 }
+_CAUSE_OF_STATUS = {status: cause for cause, status in _STATUS_OF_CAUSE.items()}
 _KINDS = {
     Cause.UNAVAILABLE: "unavailable",
     Cause.TOO_SLOW: "request_timeout",

@@ -224,11 +224,6 @@ class ServiceMetrics(Collector):
                 total.add(stats)
         return total
 
-    @property
-    def connections_open(self) -> int:
-        """Connections open now, every protocol's."""
-        return len(self._live)
-
     def collect(self) -> Iterable[Metric]:
         gen = self._generator
         counts = gen.counters()
