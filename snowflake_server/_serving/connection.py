@@ -508,15 +508,11 @@ class Connection(asyncio.Protocol):
         # Not while the server holds it back (a call on a thread, its replies unread, its
         # turn or a retry awaited): the deadline is the client's, for its own bytes.
         held_back = self._busy or handshaking or self._waiting or self._backoff
-        if (
-            self._pending()
-            and self._writable
-            and not held_back
-            and self._served == self._served_seen
-        ):
+        if not self._pending() or self._served != self._served_seen:
+            self._partial_checks = 0  # nothing partial, or progress since the last look
+        elif self._writable and not held_back:
             self._partial_checks += 1
-        else:
-            self._partial_checks = 0
+        # else the server holds it back: the count waits (neither runs nor starts over)
         self._served_seen = self._served
         period = self._period()
         # First seen partial at most a period after its first byte: (n - 1) periods

@@ -797,3 +797,27 @@ def test_a_whole_request_held_back_by_its_unread_replies_is_no_late_request() ->
         assert [r[:3] for r in made.replies()] == [("get_worker_id", TMessageType.REPLY, 1)]
     finally:
         made.close()
+
+
+def test_a_partial_request_held_back_a_while_keeps_its_deadline_count() -> None:
+    # Held back by the server, the count waits; it neither runs nor starts over, so a
+    # trickler cannot win more time by being held back now and then.
+    made = Driven(request_timeout=1.0)  # looked at every 0.25 s: refused at the 5th look
+    try:
+        conn, transport = made.connection, made.transport
+        conn.data_received(b"\x00\x00")  # part of a frame's length
+        conn._check()
+        conn._check()
+        conn.pause_writing()  # its replies unread: held back
+        for _ in range(3):
+            conn._check()
+        assert not transport.closed
+        conn.resume_writing()
+        conn._check()
+        conn._check()
+        assert not transport.closed
+        conn._check()  # the 5th look at it partial while not held back
+        assert transport.closed
+        assert made.metrics.totals().exceptions == {("request_timeout", NO_METHOD): 1}
+    finally:
+        made.close()
