@@ -174,7 +174,8 @@ test-fast: install prometheus-tools
 # The benchmark harness (about 9 minutes; BENCH_ARGS=--quick for a smoke run of about
 # two): results in bench/results/<time>/ and bench/results/latest.md; then the HTTP/JSON
 # API against Thrift (wrk against the load generator), a victim's latency under hostile
-# clients (bench/hostile.py: bench/results/hostile.md) and the asyncio client against
+# clients (bench/hostile.py: bench/results/hostile.md), what a flood of /metrics scrapes
+# costs the id path (bench/admin_scrape.py) and the asyncio client against
 # the sync pool, each printing its table. It installs
 # the toolchains it builds with, then builds into $(BENCH_BUILD) (git-ignored): the load
 # generator in C, and the Java and Go anchors from the stubs. The bench-* targets only
@@ -195,6 +196,7 @@ bench: $(VENV)/.installed bench-deps
 	$(BIN)/python bench/run_bench.py --build $(BENCH_BUILD) $(BENCH_ARGS)
 	$(BIN)/python bench/http_api.py --build $(BENCH_BUILD) $(BENCH_ARGS)
 	$(BIN)/python bench/hostile.py $(BENCH_ARGS)
+	$(BIN)/python bench/admin_scrape.py $(BENCH_ARGS)
 	$(BIN)/python bench/clients.py $(BENCH_ARGS)
 
 bench-deps:
