@@ -34,8 +34,10 @@ from kazoo.handlers.threading import KazooTimeoutError
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from .._cluster.gate import SessionGate
 from .._cluster.membership import Cluster, advertised_address
-from .._cluster.zkmarks import describe_zk_error
+from .._cluster.slot import CurrentReservation, WorkerSlot
+from .._cluster.zk import describe_zk_error
 from .._config.settings import PEER_CHECK_SLOTS, ServerSettings
 from .._errors import ConfigurationError, StartupDeferred, StartupInterrupted
 from .._http.admin import AdminServer
@@ -51,7 +53,7 @@ from .._serving.listeners import check_open_files, listen_socket
 from .._serving.server import Endpoint, Server
 from .._serving.tls import server_context
 from .._state.reservation import MarkStore
-from .._state.worker import CurrentReservation, Worker, WorkerSlot
+from .._state.worker import Worker
 from .._thrift.processor import Processor, service_methods
 from .._thrift.protocol import thrift_protocols
 from .._version import __version__
@@ -122,7 +124,7 @@ def clustered(
     """A worker id leased from ZooKeeper once the port is bound, served while the
     session is proven (see ``Cluster``). Its start-up waits end when ``stopping`` is
     set (or :attr:`Mode.interrupt` is called)."""
-    slot = WorkerSlot(settings.ids)
+    slot = WorkerSlot(settings.ids, SessionGate())
     mode = Mode(
         source=slot, collectors=[CurrentReservation(slot)], unavailable=slot.unavailable_reason
     )

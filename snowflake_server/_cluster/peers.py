@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from kazoo.exceptions import NoNodeError
@@ -40,9 +40,10 @@ from thriftpy2.transport import TTransportException
 
 from .._config.settings import ClusterSettings
 from .._errors import StartupDeferred, StartupInterrupted, StartupRefused
-from .zkmarks import describe_layout, zk_call
+from .zk import children, zk_call
+from .zkmarks import describe_layout
 
-__all__ = ["check_peers", "children", "numeric_order", "refused_retry_s"]
+__all__ = ["check_peers", "refused_retry_s"]
 
 log = logging.getLogger(__name__)
 
@@ -70,21 +71,6 @@ def refused_retry_s(settings: ClusterSettings) -> float:
     a node may take between registering and listening, and a margin."""
     startup = min(settings.max_startup_wait, _MAX_STARTUP_COUNTED_S)
     return settings.first_start_wait + startup + _REFUSED_MARGIN_S
-
-
-def numeric_order(names: Iterable[str]) -> list[str]:
-    """Znode names of ids (worker, datacenter) in numeric order: ``2`` before ``10``."""
-    return sorted(names, key=lambda n: (len(n), n))
-
-
-def children(client: Any, path: str, what: str, timeout_s: float = 10.0) -> list[str]:
-    """The children of ``path`` in numeric order (none if it does not exist), read
-    within ``timeout_s`` (``StartupDeferred`` otherwise, saying ``what`` was done)."""
-    try:
-        names = zk_call(client, timeout_s, what, "get_children", path)
-        return numeric_order(names)
-    except NoNodeError:
-        return []
 
 
 def _never() -> bool:

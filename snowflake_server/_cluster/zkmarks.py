@@ -1,5 +1,5 @@
 """A worker id's high-water mark in ZooKeeper (``marks/<datacenter>/<worker>``), the
-cluster's layout beside it, and ZooKeeper calls bounded in time.
+cluster's layout beside it.
 
 A mark is stored as JSON, ``{"mark_ms": N, "layout": {...}}``: a mark only guards
 the ids of the layout it was made under. A plain number (0.1.0 wrote those) is a
@@ -12,43 +12,31 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from kazoo.exceptions import (
     BadVersionError,
-    ConnectionClosedError,
-    ConnectionLoss,
-    NoAuthError,
     NodeExistsError,
     NoNodeError,
-    OperationTimeoutError,
-    SessionExpiredError,
-    ZookeeperStoppedError,
 )
 from kazoo.handlers.threading import KazooTimeoutError
-from kazoo.retry import KazooRetry, RetryFailedError
 from snowflake_thrift_client import Layout
 
-from .._errors import ConfigurationError, ReservationError, StartupDeferred, StartupRefused
-from .._ids.clocks import pause
+from .._errors import ConfigurationError, ReservationError, StartupRefused
 from .._state.reservation import MarkStore, valid_marks
 from .._state.statefile import layout_to_json, valid_layout_json
+from .zk import OP_TIMEOUT_S, session_id, zk_call
 
 __all__ = [
     "ZK_MARK_AHEAD_MS",
     "MarkOfAnotherLayout",
     "ZkMarkStore",
-    "ZooKeeperSilent",
     "describe_layout",
-    "describe_zk_error",
     "layout_from_json",
     "mark_layout",
     "restore_marks",
-    "session_id",
-    "zk_call",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,7 +44,6 @@ log = logging.getLogger(__name__)
 ZK_MARK_AHEAD_MS = 2000
 """How far ahead of the clock the mark in ZooKeeper is reserved (rounded up to whole
 seconds, so it is written about once a second)."""
-_OP_TIMEOUT_S = 2.0
 _RESTORE_TRIES = 5  # reads and conditional writes of a mark other nodes keep moving
 
 
@@ -84,78 +71,6 @@ def describe_layout(layout: Layout) -> str:
         f"epoch {layout.epoch_ms} ms, bits {layout.timestamp_bits}/{layout.datacenter_id_bits}/"
         f"{layout.worker_id_bits}/{layout.sequence_bits} (timestamp/datacenter/worker/sequence)"
     )
-
-
-# What each kazoo failure means, in an operator's words (most specific first).
-_ZK_ERRORS: tuple[tuple[type[BaseException], str], ...] = (
-    (KazooTimeoutError, "ZooKeeper did not answer in time"),
-    (OperationTimeoutError, "ZooKeeper did not answer in time"),
-    (RetryFailedError, "ZooKeeper did not answer in time, though asked again"),
-    (ConnectionClosedError, "the connection to ZooKeeper was closed"),
-    (ZookeeperStoppedError, "the connection to ZooKeeper was closed"),
-    (ConnectionLoss, "the connection to ZooKeeper was lost"),
-    (SessionExpiredError, "the ZooKeeper session expired"),
-    (NoNodeError, "a znode it needed does not exist (deleted meanwhile?)"),
-    (NodeExistsError, "a znode it creates exists already"),
-    (BadVersionError, "a znode was changed meanwhile by someone else"),
-    (NoAuthError, "ZooKeeper denied access: a znode's ACL does not let this node in"),
-)
-
-
-def describe_zk_error(error: BaseException) -> str:
-    """What a kazoo exception means, in words; an unexpected one is named in parentheses."""
-    for kind, words in _ZK_ERRORS:
-        if isinstance(error, kind):
-            return words
-    detail = f": {error}" if str(error) else ""
-    return f"ZooKeeper failed ({type(error).__name__}{detail})"
-
-
-class ZooKeeperSilent(StartupDeferred):
-    """ZooKeeper did not answer within the time a call was given: ``what`` was being
-    done, with ``timeout_s``; ``why`` adds what else happened (a closed connection)."""
-
-    def __init__(self, what: str, timeout_s: float, why: str = "") -> None:
-        also = f" ({why})" if why else ""
-        super().__init__(
-            f"ZooKeeper did not answer within {timeout_s:g} s (--zk-connect-timeout) while "
-            f"{what}{also}; is it running? start again once it is"
-        )
-        self.what = what
-        self.timeout_s = timeout_s
-        self.why = why
-
-
-def zk_call(client: Any, timeout_s: float, what: str, method: str, *args: Any, **kw: Any) -> Any:
-    """``client.<method>_async(...)``, retried through a dropped connection but ended
-    within ``timeout_s`` (``--zk-connect-timeout``): ``ZooKeeperSilent``, a
-    ``StartupDeferred`` (nothing unsafe happened: try again) saying ``what`` was being
-    done. A plain kazoo call waits for reconnection and retries with backoff, which
-    stretched a start-up against a vanished ZooKeeper to half a minute.
-    """
-    deadline = time.monotonic() + timeout_s
-
-    def attempt() -> Any:
-        left = max(0.05, deadline - time.monotonic())
-        return getattr(client, f"{method}_async")(*args, **kw).get(timeout=left)
-
-    # Our own sleep, not kazoo's time.sleep: under libfaketime (the black-box clock
-    # tests) time.sleep can fail with EINVAL; see _ids/clocks.pause.
-    retry = KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0, deadline=timeout_s, sleep_func=pause)
-    try:
-        return retry(attempt)
-    except (KazooTimeoutError, RetryFailedError):
-        raise ZooKeeperSilent(what, timeout_s) from None
-    except ConnectionClosedError as e:
-        raise ZooKeeperSilent(what, timeout_s, describe_zk_error(e)) from None
-
-
-def session_id(client: Any, what: str) -> int:
-    """Our session's id; ``StartupDeferred`` while kazoo is disconnected (it has none)."""
-    ids = client.client_id if client is not None else None
-    if ids is None:
-        raise StartupDeferred(f"the ZooKeeper connection dropped while {what}; start again")
-    return int(ids[0])
 
 
 class MarkOfAnotherLayout(StartupRefused):
@@ -212,7 +127,7 @@ class ZkMarkStore(MarkStore):
         path: str,
         on_lost: Callable[[str], None],
         layout: Layout | None = None,
-        timeout_s: float = _OP_TIMEOUT_S,
+        timeout_s: float = OP_TIMEOUT_S,
     ) -> ZkMarkStore:
         """The store of ``path`` with the mark found there (-1 if none), bound to the
         session that holds the registration now. ``client`` returns the current
@@ -256,7 +171,7 @@ class ZkMarkStore(MarkStore):
             if self._version is not None:
                 try:
                     stat = zk.set_async(self._path, data, version=self._version).get(
-                        timeout=_OP_TIMEOUT_S
+                        timeout=OP_TIMEOUT_S
                     )
                     self._version = stat.version
                     return
@@ -264,12 +179,12 @@ class ZkMarkStore(MarkStore):
                     # Gone while our registration stands (ZooKeeper lost it, or a hand
                     # deleted it): put it back. A create fails if another node did first.
                     log.warning("the high-water mark %s is gone: writing it again", self._path)
-            zk.ensure_path_async(self._path.rsplit("/", 1)[0]).get(timeout=_OP_TIMEOUT_S)
-            zk.create_async(self._path, data).get(timeout=_OP_TIMEOUT_S)
+            zk.ensure_path_async(self._path.rsplit("/", 1)[0]).get(timeout=OP_TIMEOUT_S)
+            zk.create_async(self._path, data).get(timeout=OP_TIMEOUT_S)
             self._version = 0
         except KazooTimeoutError:
             raise ReservationError(
-                f"writing {self._path}: no reply from ZooKeeper within {_OP_TIMEOUT_S:g} s"
+                f"writing {self._path}: no reply from ZooKeeper within {OP_TIMEOUT_S:g} s"
             ) from None
         except (BadVersionError, NodeExistsError):
             self._on_lost(f"{self._path} was changed by another node")
@@ -284,7 +199,7 @@ def restore_marks(
     marks: tuple[int, ...],
     clock_sequence: int,
     layout: Layout,
-    timeout_s: float = _OP_TIMEOUT_S,
+    timeout_s: float = OP_TIMEOUT_S,
 ) -> bool:
     """Put ``marks`` (a worker id's marks, one per clock-sequence value) into ``path``
     where ZooKeeper holds none or lower ones: a node that held the id puts back what a

@@ -1,32 +1,23 @@
-"""One worker id served by this process, and the slot that holds it.
+"""One worker id served by this process.
 
 A :class:`Worker` is everything that makes ids for one (datacenter, worker):
 the host lock, the locked state file, the high-water marks (disk, and
 ZooKeeper in cluster mode), the start-up wait for the clock (or, with no mark
-anywhere, the first-start wait), the generator and its reservation.
-In cluster mode a :class:`WorkerSlot` holds the current worker and decides
-whether ids may be handed out at all; the worker in it changes when the node
-re-registers under another id.
+anywhere, the first-start wait), the generator and its reservation. Cluster
+mode serves it from a slot (``_cluster/slot.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
-
 from .._config.settings import WorkerSettings
-from .._errors import UnavailableError
-from .._ids.clocks import boot_clock, pause
+from .._ids.clocks import pause
 from .._ids.generator import (
-    GeneratorCounters,
-    GeneratorSettings,
     IdGenerator,
     pick_clock_sequence,
 )
@@ -34,7 +25,7 @@ from .hostlock import HostLock
 from .reservation import RESERVE_AHEAD_MS, MarkStore, Reservation, wait_for_clock
 from .statefile import StateFile
 
-__all__ = ["CurrentReservation", "Worker", "WorkerSlot"]
+__all__ = ["Worker"]
 
 log = logging.getLogger(__name__)
 
@@ -205,98 +196,3 @@ def _first_start(
     )  # fmt: skip
     sleep(wait_s)
     reservation.first_start_wait_s = wait_s
-
-
-class WorkerSlot:
-    """The ids of whichever worker this node holds now, while it may serve.
-
-    Ids are handed out only until ``open_until`` (a deadline on ``clock``,
-    CLOCK_BOOTTIME by default, that the ZooKeeper heartbeat keeps pushing
-    ahead); past it, or with no worker installed, calls raise
-    ``UnavailableError`` so clients go to another node. Counters add up every
-    worker this process has held.
-    """
-
-    def __init__(
-        self, placeholder: GeneratorSettings, *, clock: Callable[[], float] = boot_clock
-    ) -> None:
-        self._placeholder = placeholder
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._worker: Worker | None = None
-        self._retired = GeneratorCounters()
-        self.open_until = float("-inf")
-        self.closed_reason = "not registered yet"
-
-    @property
-    def worker(self) -> Worker | None:
-        return self._worker
-
-    def install(self, worker: Worker) -> None:
-        with self._lock:
-            assert self._worker is None, "retire the old worker first"
-            self._worker = worker
-
-    def retire(self) -> Worker | None:
-        """Stop handing out ids, close the worker (its exact final mark is written) and
-        take it out. Its ids keep counting in :meth:`counters`."""
-        self.open_until = float("-inf")
-        worker = self._worker
-        if worker is None:
-            return None
-        worker.close()  # sealed: its counters are final
-        with self._lock:
-            self._worker = None
-            self._retired += worker.generator.counters()
-        return worker
-
-    def close(self, reason: str) -> None:
-        """Stop handing out ids at once; calls are told ``reason``."""
-        self.open_until = float("-inf")
-        self.closed_reason = reason
-
-    def _current(self) -> IdGenerator:
-        worker = self._worker
-        if worker is None or self._clock() > self.open_until:
-            raise UnavailableError(f"this node is not handing out ids: {self.closed_reason}")
-        return worker.generator
-
-    def next_id(self) -> int:
-        return self._current().next_id()
-
-    def next_ids(self, count: int) -> list[int]:
-        return self._current().next_ids(count)
-
-    @property
-    def serving(self) -> bool:
-        return self._worker is not None and self._clock() <= self.open_until
-
-    def unavailable_reason(self) -> str | None:
-        """Why a call would fail now, or None (see ``Worker.unavailable_reason``)."""
-        worker = self._worker
-        if worker is None or self._clock() > self.open_until:
-            return f"this node is not handing out ids: {self.closed_reason}"
-        return worker.unavailable_reason()
-
-    @property
-    def settings(self) -> GeneratorSettings:
-        worker = self._worker
-        return worker.generator.settings if worker is not None else self._placeholder
-
-    def counters(self) -> GeneratorCounters:
-        with self._lock:  # never a worker's ids twice, or not at all, during retire()
-            worker, retired = self._worker, self._retired
-            current = worker.generator.counters() if worker is not None else GeneratorCounters()
-        return retired + current
-
-
-class CurrentReservation(Collector):
-    """The reservation metrics of whichever worker the slot holds now."""
-
-    def __init__(self, slot: WorkerSlot) -> None:
-        self._slot = slot
-
-    def collect(self) -> Iterable[Metric]:
-        worker = self._slot.worker
-        if worker is not None:
-            yield from worker.reservation.collect()

@@ -21,12 +21,14 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from snowflake_server import ServerSettings
 from snowflake_server._app.supervisor import Supervisor
+from snowflake_server._cluster.gate import SessionGate
 from snowflake_server._cluster.membership import Cluster
+from snowflake_server._cluster.slot import CurrentReservation, WorkerSlot
 from snowflake_server._config.options import GROUPS, OPTIONS, Option
 from snowflake_server._ids.clocks import wall_clock_ms
 from snowflake_server._observability.audit import AuditLog
 from snowflake_server._state.reservation import MarkStore
-from snowflake_server._state.worker import CurrentReservation, Worker, WorkerSlot
+from snowflake_server._state.worker import Worker
 from tests.support.inprocess import InProcessServer
 
 ROOT = Path(__file__).parents[2]
@@ -150,7 +152,7 @@ def metric_families(workdir: Path) -> list[Family]:
         for f in _parse(served, "always")
     ]
     settings = ServerSettings()
-    slot = WorkerSlot(settings.ids)
+    slot = WorkerSlot(settings.ids, SessionGate())
     cluster = Cluster(settings.cluster, slot, wall_clock_ms, "127.0.0.1:1", open_worker=_no_worker)
     seen = {f.name for f in standalone}
     clustered = _parse(_collected(cluster, CurrentReservation(slot)), "cluster mode")

@@ -3,7 +3,7 @@
 Session states are driven as kazoo's own test harness drives them (a forced
 session expiry, a dropped connection) or by stopping ZooKeeper; the session
 gate runs on a fake clock the tests move; the supervision thread's checks
-(``_tick``) are called by the tests, so nothing waits for time to pass.
+(``tick``) are called by the tests, so nothing waits for time to pass.
 """
 
 from __future__ import annotations
@@ -31,12 +31,15 @@ from snowflake_server import (
     UnavailableError,
     decompose,
 )
+from snowflake_server._cluster.gate import SessionGate
+from snowflake_server._cluster.layout_record import LayoutRecord, Stage
 from snowflake_server._cluster.membership import Cluster, advertised_address
+from snowflake_server._cluster.slot import WorkerSlot
 from snowflake_server._cluster.zkmarks import ZkMarkStore
 from snowflake_server._errors import ClockBehindMark, StartupDeferred, StartupInterrupted
 from snowflake_server._state.reservation import MarkStore
 from snowflake_server._state.statefile import layout_to_json
-from snowflake_server._state.worker import Worker, WorkerSlot
+from snowflake_server._state.worker import Worker
 from tests.support.endpoints import free_port, unique_scope
 from tests.support.fakes import FakeClock, SecondsClock
 from tests.support.waiting import run_in_thread, wait_until
@@ -150,7 +153,7 @@ class Member:
 
     def tick(self) -> None:
         """One check of the supervision thread."""
-        self.cluster._tick()
+        self.cluster.tick()
 
 
 Make = Callable[..., Member]
@@ -172,6 +175,7 @@ def member(zookeeper: ZooKeeper, zk_path: str, tmp_path: Path) -> Iterator[Make]
         supervise_every: float = 3600.0,
         clock_ms: int = T0,
         on_sleep: Callable[[float], object] | None = None,
+        stop_ends_waits: bool = False,
         **overrides: Any,
     ) -> Member:
         defaults: dict[str, Any] = {
@@ -185,7 +189,7 @@ def member(zookeeper: ZooKeeper, zk_path: str, tmp_path: Path) -> Iterator[Make]
         }
         settings = ServerSettings(**{**defaults, **overrides})
         gate, clock = SecondsClock(), FakeClock(clock_ms)
-        slot = WorkerSlot(settings.ids, clock=gate)
+        slot = WorkerSlot(settings.ids, SessionGate(gate))
 
         def open_worker(
             worker_id: int,
@@ -220,8 +224,8 @@ def member(zookeeper: ZooKeeper, zk_path: str, tmp_path: Path) -> Iterator[Make]
             address,
             open_worker=open_worker,
             client_factory=client_factory,
-            gate=gate,
-            sleep=sleep,
+            gate_clock=gate,
+            sleep=None if stop_ends_waits else sleep,
             supervise_every=supervise_every,
         )
         node = Member(cluster, slot, gate, clock, address, clients, sleeps)
@@ -333,7 +337,7 @@ def test_a_static_id_is_registered_and_served(member: Make, zk: KazooClient, zk_
     assert data.decode() == node.address
     assert stat.ephemeralOwner == session_of(node)
     assert mark(zk, f"{zk_path}/marks/0/3") == T0 + 2000, "reserved ahead in ZooKeeper too"
-    assert node.slot.serving and node.slot.open_until == node.gate.now + OPEN_FOR
+    assert node.slot.serving and node.slot.gate.open_until == node.gate.now + OPEN_FOR
     assert decompose(node.slot.next_id()).worker_id == 3
     assert node.sleeps == [] and node.cluster.registrations == 1
     assert node.cluster.details() == {
@@ -458,7 +462,7 @@ def test_the_gate_closes_without_a_heartbeat_and_opens_with_one(member: Make) ->
     assert counts["snowflake_zookeeper_registered"] == 1, "still registered, just not proven"
     assert counts["snowflake_zookeeper_last_contact_age_seconds"] == pytest.approx(OPEN_FOR + 0.001)
     node.tick()  # a heartbeat: ZooKeeper confirms the node is ours
-    assert node.slot.serving and node.slot.open_until == node.gate.now + OPEN_FOR
+    assert node.slot.serving and node.slot.gate.open_until == node.gate.now + OPEN_FOR
     assert samples(node.cluster)["snowflake_zookeeper_last_contact_age_seconds"] == 0
 
 
@@ -523,7 +527,7 @@ def test_a_dropped_connection_suspends_and_reconnects_to_the_same_session(
     assert node.slot.serving, "the gate decides, not the state: the node is still proven ours"
     node.gate.advance(1.0)
     node.tick()
-    assert node.slot.open_until == node.gate.now + OPEN_FOR
+    assert node.slot.gate.open_until == node.gate.now + OPEN_FOR
     assert session_of(node) == session and owner(zk, f"{zk_path}/nodes/0/2") == session
     assert node.cluster.registrations == 1
     assert events(node.cluster) == {"connected": 2, "suspended": 1, "lost": 0}
@@ -579,7 +583,7 @@ def test_a_mark_moved_by_another_node_stops_ids_and_registers_again(
     node.clock.now += 3000  # past the reserved mark: the next id must move it
     with pytest.raises(UnavailableError):
         node.slot.next_id()
-    assert node.slot.closed_reason == (
+    assert node.slot.gate.reason == (
         f"worker id lost: {marks} was changed by another node; registering again"
     )
     assert mark(zk, marks) == T0 + 8000, "the other node's mark stands"
@@ -787,14 +791,14 @@ def test_a_layout_recorded_by_another_node_meanwhile_counts(
     member: Make, zk: KazooClient, zk_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two first nodes at once: the one that records its layout second reads the other's."""
-    read_marks = Cluster._marks_layouts
+    read_marks = LayoutRecord.marks_layouts
 
-    def others_first(self: Cluster) -> dict[Layout, list[str]]:
+    def others_first(self: LayoutRecord) -> dict[Layout, list[str]]:
         found = read_marks(self)
         record_layout(zk, zk_path, **OTHER_LAYOUT)  # the other first node, meanwhile
         return found
 
-    monkeypatch.setattr(Cluster, "_marks_layouts", others_first)
+    monkeypatch.setattr(LayoutRecord, "marks_layouts", others_first)
     with pytest.raises(StartupRefused, match=f"makes them with {re.escape(NARROW)}"):
         member(worker_id=2).join()
 
@@ -1093,7 +1097,7 @@ def test_a_mark_write_refused_during_a_heartbeat_keeps_the_gate_closed(
     monkeypatch.setattr(node.client, "exists_async", refused_meanwhile)
     node.gate.advance(1)
     node.tick()
-    assert not node.slot.serving and node.cluster._needs_register
+    assert not node.slot.serving and node.slot.gate.shut
 
 
 def test_failures_to_register_again_are_logged_once_per_reason_and_minute(
@@ -1106,14 +1110,14 @@ def test_failures_to_register_again_are_logged_once_per_reason_and_minute(
     def said() -> int:
         return sum("cannot register again yet: Layout insanity" in m for m in log_events.messages)
 
-    node.cluster._supervised_tick()
-    node.cluster._supervised_tick()
+    node.cluster.supervise_tick()
+    node.cluster.supervise_tick()
     assert said() == 1
     node.gate.advance(60)
-    node.cluster._supervised_tick()
+    node.cluster.supervise_tick()
     assert said() == 2
     zk.set(f"{zk_path}/layout", b"garbage")
-    node.cluster._supervised_tick()
+    node.cluster.supervise_tick()
     assert sum("cannot register again yet: the cluster's layout" in m
                for m in log_events.messages) == 1, "another reason: said at once"  # fmt: skip
 
@@ -1153,7 +1157,7 @@ def test_a_node_registering_again_says_why_when_the_record_is_not_its_layout(
     assert node.slot.worker is not None and not node.slot.serving, "registered, settling"
     node.gate.advance(OPEN_FOR)
     node.tick()
-    assert node.slot.serving and node.cluster._layout_stop is None
+    assert node.slot.serving and node.cluster.record.hold is None
 
 
 def test_a_deleted_layout_recorded_by_another_node_first_is_left_to_it(
@@ -1309,7 +1313,7 @@ def test_the_gate_counts_with_the_session_timeout_zookeeper_granted(
     own = own_zookeeper(max_session_timeout_ms=2000)
     node = member(hosts=own.hosts, worker_id=4, zk_session_timeout=10.0).join()
     log_events.wait_for("ZooKeeper granted a session timeout of 2 s, not the 10 s asked for")
-    assert node.slot.open_until == node.gate.now + 1.8
+    assert node.slot.gate.open_until == node.gate.now + 1.8
     assert node.cluster.session_timeout == 2.0
     assert node.cluster.details()["session_timeout_s"] == 2.0
     assert samples(node.cluster)["snowflake_zookeeper_session_timeout_seconds"] == 2.0
@@ -1334,10 +1338,10 @@ def test_a_heartbeat_from_a_session_whose_granted_timeout_is_unknown_proves_noth
 ) -> None:
     node = member(worker_id=5).join()
     node.gate.advance(OPEN_FOR + 0.001)
-    node.cluster._granted.record(session_of(node) + 1, 4000)  # another session's reply
+    node.cluster.granted.record(session_of(node) + 1, 4000)  # another session's reply
     node.tick()
     assert not node.slot.serving
-    node.cluster._granted.record(session_of(node), 4000)
+    node.cluster.granted.record(session_of(node), 4000)
     node.tick()
     assert node.slot.serving
 
@@ -1475,9 +1479,10 @@ def test_a_mark_put_back_just_before_the_first_write_refuses_the_start_cleanly(
 def test_a_registration_lost_during_the_wait_is_not_served(
     member: Make, zookeeper: ZooKeeper, zk_path: str
 ) -> None:
-    node = member(worker_id=0, first_start_wait=1.0)
+    made: list[Member] = []
+    node = member(worker_id=0, first_start_wait=1.0, on_sleep=lambda _s: expire(made[0]))
+    made.append(node)
     node.cluster.connect()
-    node.cluster._sleep = lambda _s: expire(node)
     with pytest.raises(StartupDeferred, match="was lost while waiting for its high-water mark"):
         node.cluster.register()
 
@@ -1490,8 +1495,7 @@ def test_an_interrupt_during_the_first_start_wait_writes_no_mark_and_the_next_st
 ) -> None:
     """A mark written during the wait would let the next start skip the very wait that
     guards a mark ZooKeeper lost. It ended in StartupRefused (exit 3) before."""
-    node = member(worker_id=0, first_start_wait=15.0)
-    node.cluster._sleep = node.cluster._interrupt.wait  # the default: a stop ends the wait
+    node = member(worker_id=0, first_start_wait=15.0, stop_ends_waits=True)
     node.cluster.connect()
     thread, outcome = run_in_thread(node.cluster.register)
     log_events.wait_for("waiting --first-start-wait 15 s")
@@ -1546,9 +1550,9 @@ def test_an_interrupt_after_start_leaves_the_heartbeats_running(member: Make) ->
     gate lapsed while the node still had calls to finish."""
     node = member(worker_id=2, supervise_every=0.01).join()
     node.cluster.interrupt()
-    before = node.slot.open_until
+    before = node.slot.gate.open_until
     node.gate.advance(1)
-    wait_until(lambda: node.slot.open_until >= before + 1, "a heartbeat after the interrupt")
+    wait_until(lambda: node.slot.gate.open_until >= before + 1, "a heartbeat after the interrupt")
     assert node.slot.serving
 
 
@@ -1576,13 +1580,13 @@ def test_a_record_deleted_while_registering_again_is_written_back_at_the_confirm
 ) -> None:
     node = member(worker_id=2).join()
     record = f"{zk_path}/layout"
-    apply_layout = Cluster._apply_layout
+    check = LayoutRecord.check
 
-    def deleted_after(self: Cluster, phase: str, bound: float | None = None) -> None:
-        apply_layout(self, phase, bound)
+    def deleted_after(self: LayoutRecord, stage: Stage, bound: float | None = None) -> None:
+        check(self, stage, bound)
         zk.delete(record)  # before the worker's first mark
 
-    monkeypatch.setattr(Cluster, "_apply_layout", deleted_after)
+    monkeypatch.setattr(LayoutRecord, "check", deleted_after)
     end_session(zookeeper, expire(node))
     node.tick()
     assert layout_of(zk, zk_path) == Layout() and node.slot.worker is not None
@@ -1592,7 +1596,7 @@ def test_a_node_registering_again_with_no_record_read_writes_none(
     member: Make, zookeeper: ZooKeeper, zk: KazooClient, zk_path: str
 ) -> None:
     node = member(worker_id=2).join()
-    node.cluster._last_record = None  # as if it never read one
+    node.cluster.record.last = None  # as if it never read one
     zk.delete(f"{zk_path}/layout")
     end_session(zookeeper, expire(node))
     with pytest.raises(StartupDeferred, match="read no record to write back"):

@@ -17,7 +17,8 @@ from thriftpy2.thrift import TApplicationException
 from thriftpy2.transport import TFramedTransportFactory
 
 from snowflake_server import ServerSettings, StartupRefused
-from snowflake_server._cluster.peers import _no_answer, check_peers, children, refused_retry_s
+from snowflake_server._cluster.peers import _no_answer, check_peers, refused_retry_s
+from snowflake_server._cluster.zk import children
 from snowflake_server._errors import StartupDeferred, StartupInterrupted
 from snowflake_server._ids.clocks import wall_clock_ms
 from tests.support.endpoints import free_port

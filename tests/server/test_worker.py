@@ -1,5 +1,5 @@
-"""A worker (state file, marks, start-up wait, generator) and the slot cluster mode
-serves from, under fake clocks: no test waits for real time to pass."""
+"""A worker (state file, marks, start-up wait, generator) under fake clocks: no test
+waits for real time to pass."""
 
 from __future__ import annotations
 
@@ -10,16 +10,14 @@ import pytest
 
 from snowflake_server import (
     ConfigurationError,
-    GeneratorCounters,
     ReservationError,
     ServerSettings,
     StartupRefused,
-    UnavailableError,
     decompose,
 )
 from snowflake_server._state.reservation import MarkStore
-from snowflake_server._state.worker import CurrentReservation, Worker, WorkerSlot
-from tests.support.fakes import FakeClock, SecondsClock
+from snowflake_server._state.worker import Worker
+from tests.support.fakes import FakeClock
 
 T0 = 1_700_000_000_000
 
@@ -318,81 +316,6 @@ def test_a_discarded_corrupt_state_is_a_first_start(tmp_path: Path) -> None:
         assert worker.reservation.first_start and clock.sleeps == [2.0]
     finally:
         worker.close()
-
-
-# -- WorkerSlot ---------------------------------------------------------------
-
-
-def test_an_empty_slot_refuses_and_reports_the_placeholder() -> None:
-    ids = ServerSettings(worker_id=7).ids
-    slot = WorkerSlot(ids, clock=SecondsClock())
-    assert not slot.serving and slot.worker is None
-    assert slot.settings == ids
-    assert slot.counters() == GeneratorCounters()
-    assert slot.retire() is None
-    with pytest.raises(UnavailableError, match="not handing out ids: not registered yet"):
-        slot.next_id()
-    assert list(CurrentReservation(slot).collect()) == []
-
-
-def test_a_slot_serves_until_open_until_on_its_clock(tmp_path: Path) -> None:
-    gate = SecondsClock(1000.0)
-    clock = FakeClock(T0)
-    slot = WorkerSlot(ServerSettings().ids, clock=gate)
-    slot.install(open_worker(tmp_path, clock, worker_id=4))
-    try:
-        assert not slot.serving, "installed, but nothing proved it may serve yet"
-        slot.open_until = 1010.0
-        assert slot.serving
-        assert decompose(slot.next_id()).worker_id == 4
-        assert len(slot.next_ids(5)) == 5
-        assert slot.settings.worker_id == 4
-        gate.now = 1010.0
-        assert slot.serving, "the deadline itself still counts"
-        gate.now = 1010.001
-        slot.closed_reason = "ZooKeeper unreachable"
-        assert not slot.serving
-        with pytest.raises(UnavailableError, match="ZooKeeper unreachable"):
-            slot.next_ids(2)
-        names = {m.name for m in CurrentReservation(slot).collect()}
-        assert {"snowflake_high_water_mark_timestamp_seconds", "snowflake_first_starts"} <= names
-    finally:
-        assert slot.retire() is not None
-
-
-def test_close_stops_ids_at_once_with_its_reason(tmp_path: Path) -> None:
-    slot = WorkerSlot(ServerSettings().ids, clock=SecondsClock(0.0))
-    slot.install(open_worker(tmp_path, FakeClock(T0)))
-    slot.open_until = 100.0
-    assert slot.serving
-    slot.close("the ZooKeeper session was lost")
-    assert not slot.serving and slot.open_until == float("-inf")
-    with pytest.raises(UnavailableError, match="the ZooKeeper session was lost"):
-        slot.next_id()
-    assert slot.retire() is not None
-
-
-def test_counters_add_up_every_worker_the_slot_held(tmp_path: Path) -> None:
-    gate = SecondsClock(0.0)
-    clock = FakeClock(T0)
-    slot = WorkerSlot(ServerSettings().ids, clock=gate)
-    slot.install(open_worker(tmp_path, clock, worker_id=1))
-    slot.open_until = 10.0
-    slot.next_ids(3)
-    next_worker = open_worker(tmp_path, clock, worker_id=2)
-    with pytest.raises(AssertionError, match="retire the old worker first"):
-        slot.install(next_worker)
-    first = slot.retire()
-    assert first is not None and not slot.serving, "retiring closes the slot"
-    with pytest.raises(ReservationError):
-        first.generator.next_id()  # and its worker: sealed
-    assert slot.counters().ids_generated == 3, "a retired worker's ids still count"
-    slot.install(next_worker)
-    slot.open_until = 10.0
-    slot.next_ids(4)
-    assert slot.counters().ids_generated == 7
-    assert slot.retire() is not None
-    assert slot.counters().ids_generated == 7
 
 
 # -- a clock sequence -----------------------------------------------------------

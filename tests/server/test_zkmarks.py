@@ -6,31 +6,15 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import (
-    ConnectionLoss,
-    NoAuthError,
-    NoNodeError,
-    NotEmptyError,
-    SessionExpiredError,
-)
-from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.connection import _SESSION_EXPIRED
 
 from snowflake_server import Layout, ReservationError, StartupRefused
-from snowflake_server._cluster.zkmarks import (
-    MarkOfAnotherLayout,
-    ZkMarkStore,
-    describe_zk_error,
-    restore_marks,
-    zk_call,
-)
+from snowflake_server._cluster.zkmarks import MarkOfAnotherLayout, ZkMarkStore, restore_marks
 from snowflake_server._errors import StartupDeferred
 from snowflake_server._state.statefile import layout_to_json
 from tests.support.zookeeper import ZooKeeper
@@ -301,28 +285,6 @@ def test_load_while_disconnected_is_a_refusal(zookeeper: ZooKeeper, path: str) -
     never_started.close()
 
 
-def test_a_call_to_a_vanished_zookeeper_ends_within_its_timeout(tmp_path: Path) -> None:
-    own = ZooKeeper(tmp_path / "zk")
-    own.start()
-    client = own.client()
-    try:
-        client.start(timeout=10)
-        assert zk_call(client, 1.0, "reading /", "get_children", "/") is not None
-        own.stop()
-        started = time.monotonic()
-        with pytest.raises(StartupDeferred) as info:
-            zk_call(client, 1.0, "reading /x", "get", "/x")
-        assert time.monotonic() - started < 2
-        assert str(info.value) == (
-            "ZooKeeper did not answer within 1 s (--zk-connect-timeout) while reading /x; is "
-            "it running? start again once it is"
-        ), "in words, no exception class"
-    finally:
-        client.stop()
-        client.close()
-        own.stop()
-
-
 # -- putting marks back after ZooKeeper lost them -----------------------------------
 
 
@@ -400,19 +362,3 @@ def test_restore_gives_up_on_a_mark_that_keeps_changing(zk: KazooClient, path: s
 
     with pytest.raises(StartupRefused, match="kept changing"):
         restore_marks(Meddler(), path, (T0 + 5000,), 0, Layout())
-
-
-@pytest.mark.parametrize(
-    ("error", "said"),
-    [
-        (KazooTimeoutError(), "ZooKeeper did not answer in time"),
-        (ConnectionLoss(), "the connection to ZooKeeper was lost"),
-        (SessionExpiredError(), "the ZooKeeper session expired"),
-        (NoNodeError(), "a znode it needed does not exist (deleted meanwhile?)"),
-        (NoAuthError(), "ZooKeeper denied access: a znode's ACL does not let this node in"),
-        (NotEmptyError(), "ZooKeeper failed (NotEmptyError)"),
-        (NotEmptyError("odd"), "ZooKeeper failed (NotEmptyError: odd)"),
-    ],
-)
-def test_zookeeper_errors_are_said_in_words(error: Exception, said: str) -> None:
-    assert describe_zk_error(error) == said

@@ -1,0 +1,131 @@
+"""ZooKeeper calls as every part of cluster mode makes them: bounded in time, and
+their failures said in an operator's words.
+
+kazoo's plain calls wait for a reconnection and retry with backoff, so a start-up
+against a vanished ZooKeeper took half a minute; :func:`zk_call` gives each call a
+deadline instead and turns a silence into ``ZooKeeperSilent`` (a ``StartupDeferred``:
+nothing unsafe happened, try again).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from kazoo.exceptions import (
+    BadVersionError,
+    ConnectionClosedError,
+    ConnectionLoss,
+    NoAuthError,
+    NodeExistsError,
+    NoNodeError,
+    OperationTimeoutError,
+    SessionExpiredError,
+    ZookeeperStoppedError,
+)
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.retry import KazooRetry, RetryFailedError
+
+from .._errors import StartupDeferred
+from .._ids.clocks import pause
+
+__all__ = [
+    "OP_TIMEOUT_S",
+    "ZooKeeperSilent",
+    "children",
+    "describe_zk_error",
+    "numeric_order",
+    "session_id",
+    "zk_call",
+]
+
+OP_TIMEOUT_S = 2.0
+"""What a call outside start-up waits for its reply (a mark's write, a deletion)."""
+
+
+# What each kazoo failure means, in an operator's words (most specific first).
+_ZK_ERRORS: tuple[tuple[type[BaseException], str], ...] = (
+    (KazooTimeoutError, "ZooKeeper did not answer in time"),
+    (OperationTimeoutError, "ZooKeeper did not answer in time"),
+    (RetryFailedError, "ZooKeeper did not answer in time, though asked again"),
+    (ConnectionClosedError, "the connection to ZooKeeper was closed"),
+    (ZookeeperStoppedError, "the connection to ZooKeeper was closed"),
+    (ConnectionLoss, "the connection to ZooKeeper was lost"),
+    (SessionExpiredError, "the ZooKeeper session expired"),
+    (NoNodeError, "a znode it needed does not exist (deleted meanwhile?)"),
+    (NodeExistsError, "a znode it creates exists already"),
+    (BadVersionError, "a znode was changed meanwhile by someone else"),
+    (NoAuthError, "ZooKeeper denied access: a znode's ACL does not let this node in"),
+)
+
+
+def describe_zk_error(error: BaseException) -> str:
+    """What a kazoo exception means, in words; an unexpected one is named in parentheses."""
+    for kind, words in _ZK_ERRORS:
+        if isinstance(error, kind):
+            return words
+    detail = f": {error}" if str(error) else ""
+    return f"ZooKeeper failed ({type(error).__name__}{detail})"
+
+
+class ZooKeeperSilent(StartupDeferred):
+    """ZooKeeper did not answer within the time a call was given: ``what`` was being
+    done, with ``timeout_s``; ``why`` adds what else happened (a closed connection)."""
+
+    def __init__(self, what: str, timeout_s: float, why: str = "") -> None:
+        also = f" ({why})" if why else ""
+        super().__init__(
+            f"ZooKeeper did not answer within {timeout_s:g} s (--zk-connect-timeout) while "
+            f"{what}{also}; is it running? start again once it is"
+        )
+        self.what = what
+        self.timeout_s = timeout_s
+        self.why = why
+
+
+def zk_call(client: Any, timeout_s: float, what: str, method: str, *args: Any, **kw: Any) -> Any:
+    """``client.<method>_async(...)``, retried through a dropped connection but ended
+    within ``timeout_s`` (``--zk-connect-timeout``): ``ZooKeeperSilent``, a
+    ``StartupDeferred`` (nothing unsafe happened: try again) saying ``what`` was being
+    done. A plain kazoo call waits for reconnection and retries with backoff, which
+    stretched a start-up against a vanished ZooKeeper to half a minute.
+    """
+    deadline = time.monotonic() + timeout_s
+
+    def attempt() -> Any:
+        left = max(0.05, deadline - time.monotonic())
+        return getattr(client, f"{method}_async")(*args, **kw).get(timeout=left)
+
+    # Our own sleep, not kazoo's time.sleep: under libfaketime (the black-box clock
+    # tests) time.sleep can fail with EINVAL; see _ids/clocks.pause.
+    retry = KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0, deadline=timeout_s, sleep_func=pause)
+    try:
+        return retry(attempt)
+    except (KazooTimeoutError, RetryFailedError):
+        raise ZooKeeperSilent(what, timeout_s) from None
+    except ConnectionClosedError as e:
+        raise ZooKeeperSilent(what, timeout_s, describe_zk_error(e)) from None
+
+
+def session_id(client: Any, what: str) -> int:
+    """Our session's id; ``StartupDeferred`` while kazoo is disconnected (it has none)."""
+    ids = client.client_id if client is not None else None
+    if ids is None:
+        raise StartupDeferred(f"the ZooKeeper connection dropped while {what}; start again")
+    return int(ids[0])
+
+
+def numeric_order(names: Iterable[str]) -> list[str]:
+    """Znode names of ids (worker, datacenter) in numeric order: ``2`` before ``10``."""
+    return sorted(names, key=lambda n: (len(n), n))
+
+
+def children(client: Any, path: str, what: str, timeout_s: float = 10.0) -> list[str]:
+    """The children of ``path`` in numeric order (none if it does not exist), read
+    within ``timeout_s`` (``StartupDeferred`` otherwise, saying ``what`` was done)."""
+    try:
+        names = zk_call(client, timeout_s, what, "get_children", path)
+        return numeric_order(names)
+    except NoNodeError:
+        return []

@@ -1,0 +1,223 @@
+"""The session gate: ids only while ZooKeeper confirmed the session within 0.9 x the
+granted timeout.
+
+The proof is driven in-process on a fake clock (the law, then each way it closes);
+the heartbeat that feeds it is driven against a real ZooKeeper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kazoo.client import KazooClient
+
+from snowflake_server._cluster.gate import OPEN_FRACTION, UNREACHABLE, Heartbeat, SessionGate
+from snowflake_server._cluster.session import GrantedTimeout, watch_granted_timeout
+from tests.support.fakes import SecondsClock
+from tests.support.zookeeper import ZooKeeper
+
+TIMEOUT = 4.0
+
+
+def registered(clock: SecondsClock) -> SessionGate:
+    """A gate whose node just registered (not confirmed yet)."""
+    gate = SessionGate(clock)
+    gate.reopen()
+    return gate
+
+
+# -- the proof, in-process --------------------------------------------------------
+
+
+def test_a_new_gate_is_closed_and_no_confirmation_opens_it_before_a_registration() -> None:
+    gate = SessionGate(SecondsClock())
+    assert not gate.is_open() and gate.shut and gate.reason == "not registered yet"
+    assert not gate.confirm(gate.send(), TIMEOUT)
+    assert not gate.is_open()
+
+
+def test_a_confirmation_opens_until_0_9_x_timeout_after_the_heartbeat_was_sent() -> None:
+    clock = SecondsClock(100.0)
+    gate = registered(clock)
+    beat = gate.send()
+    clock.advance(1.5)  # the answer took its time: the proof counts from the send
+    assert gate.confirm(beat, TIMEOUT)
+    assert gate.open_until == 100.0 + OPEN_FRACTION * TIMEOUT
+    clock.now = gate.open_until
+    assert gate.is_open(), "the deadline itself counts"
+    clock.advance(0.001)
+    assert not gate.is_open()
+    assert gate.reason == UNREACHABLE, "a lapsed gate says why"
+    assert gate.last_contact == 100.0 and gate.age() == pytest.approx(clock.now - 100.0)
+
+
+def test_a_closure_while_a_heartbeat_is_under_way_voids_its_answer() -> None:
+    clock = SecondsClock()
+    gate = registered(clock)
+    beat = gate.send()
+    gate.close("the ZooKeeper session was lost; registering again")
+    gate.reopen()  # even a registration since: the answer is to the old question
+    assert not gate.confirm(beat, TIMEOUT)
+    assert not gate.is_open()
+    assert gate.confirm(gate.send(), TIMEOUT), "a heartbeat sent after it counts"
+
+
+def test_a_closure_shuts_the_gate_until_a_new_registration() -> None:
+    clock = SecondsClock()
+    gate = registered(clock)
+    assert gate.confirm(gate.send(), TIMEOUT) and gate.is_open()
+    gate.close("worker id lost: a mark write was refused; registering again")
+    assert not gate.is_open() and gate.shut
+    assert gate.reason == "worker id lost: a mark write was refused; registering again"
+    assert not gate.confirm(gate.send(), TIMEOUT), "the old registration proves nothing"
+    gate.reopen()
+    assert gate.confirm(gate.send(), TIMEOUT) and gate.is_open()
+
+
+def test_a_hold_closes_at_once_and_keeps_it_closed_whatever_zookeeper_confirms() -> None:
+    clock = SecondsClock()
+    gate = registered(clock)
+    gate.confirm(gate.send(), TIMEOUT)
+    gate.hold("this node's layout is not the cluster's")
+    assert not gate.is_open() and gate.held == "this node's layout is not the cluster's"
+    assert not gate.confirm(gate.send(), TIMEOUT)
+    assert gate.reason == "this node's layout is not the cluster's"
+    gate.hold(None)
+    assert not gate.is_open(), "released, but not proven yet"
+    assert gate.confirm(gate.send(), TIMEOUT) and gate.is_open()
+
+
+def test_a_heartbeat_sent_before_a_hold_opens_nothing_after_its_release() -> None:
+    gate = registered(SecondsClock())
+    beat = gate.send()
+    gate.hold("held")
+    gate.hold(None)
+    assert not gate.confirm(beat, TIMEOUT)
+
+
+def test_zookeeper_out_of_reach_closes_nothing_but_says_why_once_it_lapses() -> None:
+    clock = SecondsClock()
+    gate = registered(clock)
+    gate.confirm(gate.send(), TIMEOUT)
+    gate.close("something")
+    gate.unreachable()
+    assert gate.reason == UNREACHABLE
+    gate.reopen()
+    gate.confirm(gate.send(), TIMEOUT)
+    gate.unreachable()
+    assert gate.is_open(), "SUSPENDED: the deadline runs out by itself"
+
+
+# What can happen to a gate, in any order: (operation, seconds the clock moves first).
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["send", "confirm", "close", "reopen", "hold", "release", "look"]),
+        st.floats(min_value=0.0, max_value=3.0),
+        st.floats(min_value=0.5, max_value=20.0),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_OPS)
+def test_the_gate_is_never_open_past_0_9_x_timeout_after_its_last_valid_proof(
+    ops: list[tuple[str, float, float]],
+) -> None:
+    """The law: whenever the gate is open, the last confirmation was of a heartbeat sent
+    after the last closure, and now is within 0.9 x its timeout of that send; and it is
+    never open while shut or held."""
+    clock = SecondsClock(0.0)
+    gate = SessionGate(clock)
+    beats: list[Heartbeat] = []
+    last_closure = float("-inf")
+    valid_until = float("-inf")  # what the model allows, from the last opening confirm
+    shut, held = True, False
+    for op, elapsed, timeout in ops:
+        clock.advance(elapsed)
+        if op == "send":
+            beats.append(gate.send())
+        elif op == "confirm" and beats:
+            beat = beats.pop(0)
+            opened = gate.confirm(beat, timeout)
+            assert opened == (not shut and not held and beat.sent > last_closure)
+            if opened:
+                valid_until = beat.sent + OPEN_FRACTION * timeout
+        elif op == "close":
+            gate.close("closed")
+            shut, valid_until, last_closure = True, float("-inf"), clock.now
+            clock.advance(1e-6)  # a beat sent after this is strictly later
+        elif op == "reopen":
+            gate.reopen()
+            shut = False
+        elif op == "hold":
+            gate.hold("held")
+            held, valid_until, last_closure = True, float("-inf"), clock.now
+            clock.advance(1e-6)
+        elif op == "release":
+            gate.hold(None)
+            held = False
+        assert gate.is_open() == (not shut and not held and clock.now <= valid_until)
+
+
+# -- the heartbeat, against a real ZooKeeper --------------------------------------
+
+
+@pytest.fixture
+def session(zookeeper: ZooKeeper) -> Iterator[tuple[KazooClient, GrantedTimeout]]:
+    """A session whose granted timeout is watched, as a node's is."""
+    client = KazooClient(hosts=zookeeper.hosts, timeout=TIMEOUT)
+    granted = watch_granted_timeout(client, TIMEOUT)
+    client.start(timeout=10)
+    yield client, granted
+    client.stop()
+    client.close()
+
+
+@pytest.mark.zookeeper
+def test_a_heartbeat_on_our_registration_opens_the_gate(
+    session: tuple[KazooClient, GrantedTimeout], zk_path: str
+) -> None:
+    client, granted = session
+    node = f"{zk_path}/nodes/0/3"
+    client.create(node, b"127.0.0.1:1", ephemeral=True, makepath=True)
+    clock = SecondsClock()
+    gate = registered(clock)
+    assert gate.heartbeat(client, node, granted)
+    timeout = granted.for_session(client.client_id[0])
+    assert timeout is not None and timeout <= TIMEOUT
+    assert gate.is_open() and gate.open_until == clock.now + OPEN_FRACTION * timeout
+
+
+@pytest.mark.zookeeper
+def test_a_heartbeat_on_a_registration_gone_or_another_sessions_says_so(
+    session: tuple[KazooClient, GrantedTimeout],
+    zk_sessions: Callable[[], KazooClient],
+    zk_path: str,
+) -> None:
+    client, granted = session
+    gate = registered(SecondsClock())
+    assert not gate.heartbeat(client, f"{zk_path}/nodes/0/4", granted), "gone"
+    other = zk_sessions()
+    theirs = f"{zk_path}/nodes/0/5"
+    other.create(theirs, b"10.0.0.9:7609", ephemeral=True, makepath=True)
+    assert not gate.heartbeat(client, theirs, granted), "another session's"
+    assert not gate.is_open()
+
+
+@pytest.mark.zookeeper
+def test_a_heartbeat_of_a_session_whose_granted_timeout_is_unknown_proves_nothing(
+    session: tuple[KazooClient, GrantedTimeout], zk_path: str
+) -> None:
+    client, _ = session
+    node = f"{zk_path}/nodes/0/6"
+    client.create(node, b"127.0.0.1:1", ephemeral=True, makepath=True)
+    unknown = GrantedTimeout(TIMEOUT)  # saw no connect reply of this session
+    gate = registered(SecondsClock())
+    assert gate.heartbeat(client, node, unknown), "not lost: nothing to register again"
+    assert not gate.is_open()
+    unknown.record(client.client_id[0], 4000)
+    assert gate.heartbeat(client, node, unknown) and gate.is_open()
