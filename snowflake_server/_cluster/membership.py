@@ -78,9 +78,9 @@ from .._errors import (
     StartupRefused,
 )
 from .._ids.clocks import boot_clock
+from .._ids.layouts import describe_layout, layout_from_json, layout_to_json
 from .._observability.metrics import counter_by
 from .._state.reservation import MarkStore
-from .._state.statefile import layout_to_json
 from .._state.worker import Worker, WorkerSlot
 from .peers import check_peers, children, numeric_order
 from .session import GrantedTimeout, watch_granted_timeout
@@ -89,9 +89,7 @@ from .zkmarks import (
     MarkOfAnotherLayout,
     ZkMarkStore,
     ZooKeeperSilent,
-    describe_layout,
     describe_zk_error,
-    layout_from_json,
     mark_layout,
     restore_marks,
     session_id,

@@ -40,7 +40,8 @@ from thriftpy2.transport import TTransportException
 
 from .._config.settings import ClusterSettings
 from .._errors import StartupDeferred, StartupInterrupted, StartupRefused
-from .zkmarks import describe_layout, zk_call
+from .._ids.layouts import describe_layout
+from .zkmarks import zk_call
 
 __all__ = ["check_peers", "children", "numeric_order", "refused_retry_s"]
 

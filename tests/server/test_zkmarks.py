@@ -32,7 +32,7 @@ from snowflake_server._cluster.zkmarks import (
     zk_call,
 )
 from snowflake_server._errors import StartupDeferred
-from snowflake_server._state.statefile import layout_to_json
+from snowflake_server._ids.layouts import layout_to_json
 from tests.support.zookeeper import ZooKeeper
 
 pytestmark = pytest.mark.zookeeper
