@@ -32,7 +32,8 @@ from snowflake_thrift_client import (
 from thriftpy2.thrift import TApplicationException
 
 from ._config.options import OPTIONS
-from ._config.settings import ServerSettings, layout_from
+from ._config.settings import ServerSettings
+from ._ids.layouts import layout_from
 from ._version import __version__
 
 __all__ = ["main"]

@@ -22,7 +22,6 @@ touches the session gate: ``membership.Cluster`` applies it.
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -33,11 +32,11 @@ from kazoo.handlers.threading import KazooTimeoutError
 from snowflake_thrift_client import Layout
 
 from .._errors import StartupDeferred, StartupRefused
-from .._state.statefile import layout_to_json
+from .._ids.layouts import describe_layout, layout_from_record, layout_to_record
 from .zk import ZooKeeperSilent, children, describe_zk_error, numeric_order, zk_call
-from .zkmarks import describe_layout, layout_from_json, mark_layout
+from .zkmarks import mark_layout
 
-__all__ = ["LayoutRecord", "Stage", "layout_data"]
+__all__ = ["LayoutRecord", "Stage", "parse_record"]
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +52,11 @@ class Stage(enum.Enum):
     """Held (``/readyz`` says why), never raised."""
 
 
-def layout_data(layout: Layout) -> bytes:
-    """The layout record's bytes for ``layout``."""
-    return json.dumps(layout_to_json(layout), sort_keys=True).encode()
-
-
-def _parse(path: str, data: bytes) -> Layout:
+def parse_record(path: str, data: bytes) -> Layout:
     """The layout recorded in the layout znode ``path``; ``StartupRefused`` if it is none."""
     try:
-        return layout_from_json(json.loads(data.decode()))
-    except (ValueError, UnicodeDecodeError) as e:
+        return layout_from_record(data)
+    except ValueError as e:
         raise StartupRefused(
             f"the cluster's layout in ZooKeeper {path} is not a layout ({e}); repair it by hand"
         ) from None
@@ -130,7 +124,7 @@ class LayoutRecord:
         path = self.path
         try:
             data, _ = self._call(f"reading the layout in {path}", "get", path, timeout_s=bound)
-            recorded = _parse(path, data)
+            recorded = parse_record(path, data)
         except NoNodeError:
             if stage is not Stage.FIRST_START:
                 self._record_again(bound)
@@ -176,9 +170,9 @@ class LayoutRecord:
                         f"the cluster's layout znode {path} is missing and this node read no "
                         "record to write back; not registering again until it is recorded"
                     ) from None
-                theirs, where = _parse(path, data), path
+                theirs, where = parse_record(path, data), path
         else:
-            theirs, where = _parse(path, data), path
+            theirs, where = parse_record(path, data), path
         self.last = theirs
         if theirs != self._layout:
             self._stop_for(theirs, stage)
@@ -197,7 +191,7 @@ class LayoutRecord:
             log.error(
                 "stopped handing out ids: %s; if the record is wrong, write the cluster's "
                 "layout back (this node's: zkCli.sh set %s '%s')", reason, self.path,
-                layout_data(self._layout).decode(),
+                layout_to_record(self._layout).decode(),
             )  # fmt: skip
         self._stop = reason
         self._settle_from = None
@@ -261,7 +255,7 @@ class LayoutRecord:
             return  # nothing read yet: nothing this node could vouch for
         try:
             self._call(
-                f"recording the layout in {path} again", "create", path, layout_data(record),
+                f"recording the layout in {path} again", "create", path, layout_to_record(record),
                 timeout_s=bound,
             )  # fmt: skip
         except NodeExistsError:
@@ -294,12 +288,12 @@ class LayoutRecord:
         layout = next(iter(found), self._layout)
         try:
             self._call(
-                f"recording the layout in {path}", "create", path, layout_data(layout),
+                f"recording the layout in {path}", "create", path, layout_to_record(layout),
                 makepath=True,
             )  # fmt: skip
         except NodeExistsError:  # recorded by another node meanwhile: that one counts
             data, _ = self._call(f"reading the layout in {path}", "get", path)
-            return _parse(path, data)
+            return parse_record(path, data)
         source = "its high-water marks" if found else "this node, its first"
         log.info(
             "recorded the cluster's layout in %s from %s: %s", path, source,

@@ -40,8 +40,8 @@ from thriftpy2.transport import TTransportException
 
 from .._config.settings import ClusterSettings
 from .._errors import StartupDeferred, StartupInterrupted, StartupRefused
+from .._ids.layouts import describe_layout
 from .zk import children, zk_call
-from .zkmarks import describe_layout
 
 __all__ = ["check_peers", "refused_retry_s"]
 

@@ -24,17 +24,15 @@ from kazoo.exceptions import (
 from kazoo.handlers.threading import KazooTimeoutError
 from snowflake_thrift_client import Layout
 
-from .._errors import ConfigurationError, ReservationError, StartupRefused
+from .._errors import ReservationError, StartupRefused
+from .._ids.layouts import describe_layout, layout_from_json, layout_to_json
 from .._state.reservation import MarkStore, valid_marks
-from .._state.statefile import layout_to_json, valid_layout_json
 from .zk import OP_TIMEOUT_S, session_id, zk_call
 
 __all__ = [
     "ZK_MARK_AHEAD_MS",
     "MarkOfAnotherLayout",
     "ZkMarkStore",
-    "describe_layout",
-    "layout_from_json",
     "mark_layout",
     "restore_marks",
 ]
@@ -45,32 +43,6 @@ ZK_MARK_AHEAD_MS = 2000
 """How far ahead of the clock the mark in ZooKeeper is reserved (rounded up to whole
 seconds, so it is written about once a second)."""
 _RESTORE_TRIES = 5  # reads and conditional writes of a mark other nodes keep moving
-
-
-def layout_from_json(value: object) -> Layout:
-    """The layout of a JSON object; ``ValueError`` if it is not one."""
-    if not valid_layout_json(value):
-        raise ValueError(f"not a layout: {value!r}")
-    assert isinstance(value, dict)
-    try:
-        return Layout(**value)
-    except ConfigurationError as e:
-        raise ValueError(str(e)) from None
-
-
-def describe_layout(layout: Layout) -> str:
-    """``epoch 1288834974657 ms, bits 41/5/5/12 (timestamp/datacenter/worker/sequence)``;
-    a clock sequence adds its bits after the timestamp's."""
-    if layout.clock_sequence_bits:
-        return (
-            f"epoch {layout.epoch_ms} ms, bits {layout.timestamp_bits}/"
-            f"{layout.clock_sequence_bits}/{layout.datacenter_id_bits}/{layout.worker_id_bits}/"
-            f"{layout.sequence_bits} (timestamp/clock sequence/datacenter/worker/sequence)"
-        )
-    return (
-        f"epoch {layout.epoch_ms} ms, bits {layout.timestamp_bits}/{layout.datacenter_id_bits}/"
-        f"{layout.worker_id_bits}/{layout.sequence_bits} (timestamp/datacenter/worker/sequence)"
-    )
 
 
 class MarkOfAnotherLayout(StartupRefused):

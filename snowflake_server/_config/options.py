@@ -28,7 +28,6 @@ from .settings import (
     FromMachine,
     ServerSettings,
     datacenter_filled,
-    layout_from,
 )
 
 __all__ = [
@@ -38,7 +37,6 @@ __all__ = [
     "Option",
     "build_parser",
     "default_state_dir",
-    "layout_from",
     "load_settings",
     "worker_id_text",
 ]

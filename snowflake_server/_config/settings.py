@@ -21,6 +21,7 @@ from snowflake_thrift_client import TWITTER_EPOCH_MS, Layout
 
 from .._errors import ConfigurationError
 from .._ids.generator import GeneratorSettings
+from .._ids.layouts import layout_from
 
 __all__ = [
     "AUTO_WORKER_ID",
@@ -35,7 +36,6 @@ __all__ = [
     "ServerSettings",
     "ServingSettings",
     "WorkerSettings",
-    "layout_from",
 ]
 
 AUTO_WORKER_ID = -1
@@ -382,19 +382,6 @@ class ServerSettings:
 
 
 _View = TypeVar("_View", WorkerSettings, ClusterSettings, ServingSettings)
-
-
-def layout_from(values: Any) -> Layout:
-    """The :class:`Layout` named by the layout options' attributes of ``values``
-    (settings, or parsed ``snowflake decode`` arguments)."""
-    return Layout(
-        epoch_ms=values.epoch,
-        timestamp_bits=values.timestamp_bits,
-        datacenter_id_bits=values.datacenter_id_bits,
-        worker_id_bits=values.worker_id_bits,
-        sequence_bits=values.sequence_bits,
-        clock_sequence_bits=values.clock_sequence_bits,
-    )
 
 
 def _machine_source(source: FromMachine, datacenter_id: int, processes: int) -> None:

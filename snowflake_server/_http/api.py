@@ -39,9 +39,9 @@ from .._errors import (
     UnavailableError,
 )
 from .._ids.generator import WouldBlock
+from .._ids.layouts import layout_fields
 from .._observability.metrics import NO_METHOD, ConnectionStats
 from .._service import SnowflakeHandler
-from .._state.statefile import layout_fields
 from .openapi import openapi_document
 from .parser import Request
 from .responses import error_response, json_response, response

@@ -10,7 +10,7 @@ import functools
 import json
 from collections.abc import Mapping
 
-from .._state.statefile import LAYOUT_FIELDS
+from .._ids.layouts import LAYOUT_FIELDS
 from .._version import __version__
 
 __all__ = ["openapi_document"]

@@ -46,17 +46,14 @@ from typing import Any
 from snowflake_thrift_client import Layout
 
 from .._errors import ConfigurationError, StartupRefused
+from .._ids.layouts import describe_layout_json, layout_to_json, valid_layout_json
 from .reservation import MarkStore, valid_marks
 
 __all__ = [
-    "LAYOUT_FIELDS",
     "STATE_FORMAT",
     "StateFile",
     "check_state_dir",
-    "layout_fields",
-    "layout_to_json",
     "open_state_dir",
-    "valid_layout_json",
     "write_whole",
 ]
 
@@ -65,39 +62,6 @@ log = logging.getLogger(__name__)
 STATE_FORMAT = 2
 CLOCK_SEQUENCE_FORMAT = 3
 _UNVERSIONED_LAYOUT = 1  # 0.1.0's format: no layout recorded
-
-LAYOUT_FIELDS = ("epoch_ms", "timestamp_bits", "datacenter_id_bits", "worker_id_bits",
-                 "sequence_bits", "clock_sequence_bits")  # fmt: skip
-"""What the state file (and a mark in ZooKeeper) records of the layout, by ``Layout``'s
-field names. ``clock_sequence_bits`` is recorded only when it is not 0, so that a
-server from before it reads what a layout without one records."""
-
-
-def layout_fields(layout: Layout) -> dict[str, int]:
-    """Every field of the layout, by name (what ``get_layout`` and the HTTP API show)."""
-    return {name: int(getattr(layout, name)) for name in LAYOUT_FIELDS}
-
-
-def layout_to_json(layout: Layout) -> dict[str, int]:
-    """The layout as the state file and ZooKeeper marks record it."""
-    recorded = layout_fields(layout)
-    if not layout.clock_sequence_bits:
-        del recorded["clock_sequence_bits"]
-    return recorded
-
-
-def valid_layout_json(recorded: object) -> bool:
-    """Whether ``recorded`` has the shape :func:`layout_to_json` gives."""
-    return (
-        isinstance(recorded, dict)
-        and set(LAYOUT_FIELDS) - {"clock_sequence_bits"} <= set(recorded) <= set(LAYOUT_FIELDS)
-        and all(type(value) is int for value in recorded.values())
-    )
-
-
-def _describe(layout: dict[str, Any]) -> str:
-    return ", ".join(f"{name} {layout.get(name, 0)!r}" for name in LAYOUT_FIELDS)
-
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO planted as the state file must not hang the start.
@@ -349,14 +313,15 @@ class StateFile(MarkStore):
             log.warning(
                 "state file %s records no id layout (format 1, from 0.1.0): taking its mark "
                 "as made under the current layout (%s); the next write records it",
-                self.path, _describe(self._layout),
+                self.path, describe_layout_json(self._layout),
             )  # fmt: skip
         elif not valid_layout_json(recorded):
             return self._corrupt(f"bad layout {recorded!r}", discard_corrupt)
         elif {"clock_sequence_bits": 0, **recorded} != {"clock_sequence_bits": 0, **self._layout}:
             raise StartupRefused(
                 f"state file {self.path} was written under another id layout "
-                f"({_describe(recorded)}) than this server's ({_describe(self._layout)}). "
+                f"({describe_layout_json(recorded)}) than this server's "
+                f"({describe_layout_json(self._layout)}). "
                 "The same time makes other ids under another layout (a later epoch makes "
                 "lower ids, repeats of ids already issued). Start with the recorded layout "
                 "again (--epoch and the --*-bits options), or serve the new layout under a "

@@ -37,8 +37,8 @@ from snowflake_server._cluster.membership import Cluster, advertised_address
 from snowflake_server._cluster.slot import WorkerSlot
 from snowflake_server._cluster.zkmarks import ZkMarkStore
 from snowflake_server._errors import ClockBehindMark, StartupDeferred, StartupInterrupted
+from snowflake_server._ids.layouts import layout_to_json
 from snowflake_server._state.reservation import MarkStore
-from snowflake_server._state.statefile import layout_to_json
 from snowflake_server._state.worker import Worker
 from tests.support.endpoints import free_port, unique_scope
 from tests.support.fakes import FakeClock, SecondsClock

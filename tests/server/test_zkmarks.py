@@ -16,7 +16,7 @@ from kazoo.protocol.connection import _SESSION_EXPIRED
 from snowflake_server import Layout, ReservationError, StartupRefused
 from snowflake_server._cluster.zkmarks import MarkOfAnotherLayout, ZkMarkStore, restore_marks
 from snowflake_server._errors import StartupDeferred
-from snowflake_server._state.statefile import layout_to_json
+from snowflake_server._ids.layouts import layout_to_json
 from tests.support.zookeeper import ZooKeeper
 
 pytestmark = pytest.mark.zookeeper
