@@ -122,6 +122,9 @@ check: install
 SAFETY_MODULES := snowflake_server/_ids/generator.py snowflake_server/_state/statefile.py \
 	snowflake_server/_state/reservation.py snowflake_server/_state/worker.py \
 	snowflake_server/_cluster/membership.py snowflake_server/_cluster/zkmarks.py \
+	snowflake_server/_cluster/gate.py snowflake_server/_cluster/lease.py \
+	snowflake_server/_cluster/layout_record.py snowflake_server/_cluster/slot.py \
+	snowflake_server/_cluster/session.py snowflake_server/_ids/layouts.py \
 	snowflake_server/_cluster/peers.py snowflake_server/_serving/server.py \
 	snowflake_server/_thrift/processor.py snowflake_server/_service.py snowflake_server/_serving/connection.py \
 	snowflake_server/_serving/fairness.py snowflake_server/_thrift/protocol.py \
