@@ -165,3 +165,23 @@ def test_the_check_resolves_relative_and_type_only_imports(tmp_path: Path) -> No
         f"{PACKAGE}/_side/x.py:1 imports {PACKAGE}._other: _side and _other are one layer: "
         "neither imports the other",
     ]
+
+
+# The parts of cluster mode that ``membership`` composes (CONTRIBUTING.md, "Cluster mode"):
+# none of them imports another, or the orchestrator.
+CLUSTER_PARTS = ("gate", "lease", "layout_record")
+
+
+def test_the_parts_of_cluster_mode_never_import_each_other() -> None:
+    files = sorted((ROOT / PACKAGE).rglob("*.py"))
+    modules = {module_name(path, ROOT) for path in files}
+    parts = {f"{PACKAGE}._cluster.{name}" for name in (*CLUSTER_PARTS, "membership")}
+    wrong = [
+        f"{found.importer}:{found.line} imports {found.imported}"
+        for name in CLUSTER_PARTS
+        for found in imports_of(ROOT / PACKAGE / "_cluster" / f"{name}.py", ROOT, modules)
+        if found.imported in parts
+    ]
+    assert wrong == [], "the gate, the lease and the layout record meet only in membership.py"
+    composer = imports_of(ROOT / PACKAGE / "_cluster" / "membership.py", ROOT, modules)
+    assert parts - {f"{PACKAGE}._cluster.membership"} <= {i.imported for i in composer}
