@@ -73,10 +73,10 @@ from .child import (
     poll_children,
     process_state,
 )
-from .node import on_signal
 from .node_id import WorkerIdOrigin, configured_origin
 from .notify import Notifier
 from .ready import ready_line
+from .signals import on_signal
 
 __all__ = [
     "ANSWER_BOUND_S",
