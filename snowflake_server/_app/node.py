@@ -42,6 +42,7 @@ from .._http.protocol import HttpProtocol
 from .._ids.clocks import wall_clock_ms
 from .._ids.generator import IdSource
 from .._observability.audit import AuditLog
+from .._observability.lifecycle import Lifecycle
 from .._observability.logs import LogFile
 from .._observability.metrics import ConnectionStats, ServiceMetrics
 from .._observability.probes import Check, LoopWatch, Readiness
@@ -208,7 +209,8 @@ class Node:
         self._server: Server | None = None
         self._audit: AuditLog | None = None
         self.mode: Mode | None = None
-        self.readiness = Readiness()
+        self.lifecycle = Lifecycle()
+        self.readiness = Readiness(self.lifecycle)
         probes = settings.probes
         self.loop_watch = LoopWatch(max_lag_s=probes.max_lag_s, max_stall_s=probes.max_stall_s)
         self.thrift_address = ("", 0)
@@ -245,7 +247,7 @@ class Node:
         if self._stopping.is_set():  # asked after the last wait: serve nobody
             raise StartupInterrupted("asked to stop while starting; nothing was served")
         self._server.listen()
-        self.readiness.serving()
+        self.lifecycle.serving()
 
     def _bind_ports(self) -> _Ports:
         """Every port, bound before any wait (a port in use fails at once) and not
@@ -365,14 +367,14 @@ class Node:
     def drain(self) -> None:
         """Stop gracefully (SIGTERM): not ready at once, serving on for
         ``--drain-seconds``, then as :meth:`request_stop`. Safe from any thread."""
-        self.readiness.draining()
+        self.lifecycle.draining()
         if self._server is not None:
             self._server.request_shutdown(after_s=self.settings.drain_seconds)
 
     def request_stop(self) -> None:
         """Ask :meth:`run` to return now, or :meth:`start` to end its waits and raise
         ``StartupInterrupted``. Safe from a signal handler or any thread."""
-        self.readiness.draining()
+        self.lifecycle.draining()
         self._stopping.set()  # before the interrupt: see clustered()'s join
         if self.mode is not None:
             self.mode.interrupt()
@@ -397,7 +399,7 @@ class Node:
 
     def close(self) -> None:
         """Stop everything started, in reverse: the exact final marks are written."""
-        self.readiness.stopped()
+        self.lifecycle.stopped()
         self._cleanup.close()
 
 

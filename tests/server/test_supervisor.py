@@ -453,7 +453,7 @@ def test_a_restarted_process_not_ready_in_time_gets_sigterm_then_sigkill(
     settings = slow_starter(tmp_path)
     now = [100.0]
     supervisor = Supervisor(settings, clock=lambda: now[0])
-    supervisor._readiness.serving()
+    supervisor.lifecycle.serving()
     child = Child(0, settings, configured_origin(settings))
     supervisor._children.append(child)
     limit = child.start_limit
@@ -556,7 +556,7 @@ def test_a_broken_answer_is_no_answer_not_the_end_of_supervision(answer: bytes) 
     settings = load_settings(["--worker-id", "3"], {})
     now = [100.0]
     supervisor = Supervisor(settings, clock=lambda: now[0])
-    supervisor._readiness.serving()
+    supervisor.lifecycle.serving()
     child = Child(0, settings, configured_origin(settings))
     supervisor._children.append(child)
     admin = BrokenAdmin(answer)
@@ -677,7 +677,7 @@ def test_the_readiness_said_is_the_latest_rounds_and_a_stale_one_is_no_answer() 
     settings = load_settings(["--worker-id", "3"], {})
     now = [100.0]
     supervisor = Supervisor(settings, clock=lambda: now[0])
-    supervisor._readiness.serving()
+    supervisor.lifecycle.serving()
     child = Child(0, settings, configured_origin(settings))
     supervisor._children.append(child)
     child.answers = {"/readyz": (200, "{}", now[0])}
@@ -761,7 +761,7 @@ def supervised_one() -> tuple[Supervisor, Child, list[float]]:
     settings = load_settings(["--worker-id", "3"], {})
     now = [100.0]
     supervisor = Supervisor(settings, clock=lambda: now[0])
-    supervisor._readiness.serving()
+    supervisor.lifecycle.serving()
     child = Child(0, settings, configured_origin(settings))
     supervisor._children.append(child)
     return supervisor, child, now
