@@ -2,8 +2,8 @@
 # make test      : install everything (Python deps in .venv, Debian packages the tests need),
 #                  lint and type-check, run the whole suite measuring coverage across the
 #                  processes it starts, and fail below the coverage floors
-# make test-fast : the suite without ZooKeeper, interop toolchains, slow tests and the nemesis
-#                  (seconds)
+# make test-fast : the in-process tiers (tests/server, serving, http, client, docs) without
+#                  ZooKeeper, interop toolchains and slow tests (under 30 s)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -170,9 +170,13 @@ coverage:
 	    $(BIN)/coverage report -m --include=$$module; exit 1; }; \
 	done; echo "every safety module is at or above $(SAFETY_FLOOR)% branch coverage"
 
+# The in-process tiers: what needs whole processes is in tests/acceptance, bench, deploy
+# and nemesis, which make test runs.
+FAST_TIERS := tests/server tests/serving tests/http tests/client tests/docs
 test-fast: install prometheus-tools
 	PATH="$(abspath $(PROMETHEUS_BIN)):$$PATH" \
-	  $(BIN)/pytest -n $(PYTEST_WORKERS) -m "not zookeeper and not interop and not slow and not nemesis"
+	  $(BIN)/pytest -n $(PYTEST_WORKERS) -m "not zookeeper and not interop and not slow and not nemesis" \
+	  $(FAST_TIERS)
 
 # The benchmark harness (about 9 minutes; BENCH_ARGS=--quick for a smoke run of about
 # two): results in bench/results/<time>/ and bench/results/latest.md; then the HTTP/JSON

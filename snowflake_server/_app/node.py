@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import signal
 import socket
 import ssl
@@ -45,6 +44,7 @@ from .._http.protocol import HttpProtocol
 from .._ids.clocks import wall_clock_ms
 from .._ids.generator import IdSource
 from .._observability.audit import AuditLog
+from .._observability.lifecycle import Lifecycle
 from .._observability.logs import LogFile
 from .._observability.metrics import ConnectionStats, ServiceMetrics
 from .._observability.probes import Check, LoopWatch, Readiness
@@ -60,8 +60,9 @@ from .._version import __version__
 from .node_id import WorkerIdOrigin, configured_origin
 from .notify import Notifier
 from .ready import ready_line
+from .signals import on_signal
 
-__all__ = ["Mode", "Node", "clustered", "on_signal", "serve", "standalone"]
+__all__ = ["Mode", "Node", "clustered", "serve", "standalone"]
 
 log = logging.getLogger("snowflake_server")
 
@@ -210,7 +211,8 @@ class Node:
         self._server: Server | None = None
         self._audit: AuditLog | None = None
         self.mode: Mode | None = None
-        self.readiness = Readiness()
+        self.lifecycle = Lifecycle()
+        self.readiness = Readiness(self.lifecycle)
         probes = settings.probes
         self.loop_watch = LoopWatch(max_lag_s=probes.max_lag_s, max_stall_s=probes.max_stall_s)
         self.thrift_address = ("", 0)
@@ -247,7 +249,7 @@ class Node:
         if self._stopping.is_set():  # asked after the last wait: serve nobody
             raise StartupInterrupted("asked to stop while starting; nothing was served")
         self._server.listen()
-        self.readiness.serving()
+        self.lifecycle.serving()
 
     def _bind_ports(self) -> _Ports:
         """Every port, bound before any wait (a port in use fails at once) and not
@@ -367,14 +369,14 @@ class Node:
     def drain(self) -> None:
         """Stop gracefully (SIGTERM): not ready at once, serving on for
         ``--drain-seconds``, then as :meth:`request_stop`. Safe from any thread."""
-        self.readiness.draining()
+        self.lifecycle.draining()
         if self._server is not None:
             self._server.request_shutdown(after_s=self.settings.drain_seconds)
 
     def request_stop(self) -> None:
         """Ask :meth:`run` to return now, or :meth:`start` to end its waits and raise
         ``StartupInterrupted``. Safe from a signal handler or any thread."""
-        self.readiness.draining()
+        self.lifecycle.draining()
         self._stopping.set()  # before the interrupt: see clustered()'s join
         if self.mode is not None:
             self.mode.interrupt()
@@ -399,7 +401,7 @@ class Node:
 
     def close(self) -> None:
         """Stop everything started, in reverse: the exact final marks are written."""
-        self.readiness.stopped()
+        self.lifecycle.stopped()
         self._cleanup.close()
 
 
@@ -431,38 +433,6 @@ class _Each(Collector):
     def collect(self) -> Iterable[Metric]:
         for collector in list(self._collectors):
             yield from collector.collect()
-
-
-_signalled: queue.SimpleQueue[tuple[Callable[[str], None], str]] = queue.SimpleQueue()
-_signal_thread: list[threading.Thread] = []
-
-
-def on_signal(signum: signal.Signals, action: Callable[[str], None]) -> None:
-    """Run ``action(signal name)`` each time ``signum`` arrives, on the process's one
-    signal thread (started by the first call), in the order the signals came.
-
-    Never in the handler itself: the handler interrupts the main thread anywhere, maybe
-    holding a lock (logging's, the readiness phase's) that the action needs. Nor on a
-    thread started by the handler: on a host out of threads that start raised in
-    whatever the main thread was running (a client's call) and the SIGTERM was lost."""
-    if not _signal_thread:
-        thread = threading.Thread(target=_act_on_signals, name="signals", daemon=True)
-        thread.start()
-        _signal_thread.append(thread)
-
-    def handler(received: int, _frame: object) -> None:
-        _signalled.put((action, signal.Signals(received).name))  # reentrant: safe here
-
-    signal.signal(signum, handler)
-
-
-def _act_on_signals() -> None:
-    while True:
-        action, name = _signalled.get()
-        try:
-            action(name)
-        except Exception:  # logged: the next signal must still be acted on
-            log.exception("acting on %s failed", name)
 
 
 def serve(

@@ -58,6 +58,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from .._config.settings import ServerSettings
 from .._errors import StartupDeferred, StartupInterrupted
 from .._http.admin import AdminServer
+from .._observability.lifecycle import Lifecycle
 from .._observability.logs import LogFile
 from .._observability.metrics import counter_by
 from .._observability.probes import Readiness
@@ -73,10 +74,10 @@ from .child import (
     poll_children,
     process_state,
 )
-from .node import on_signal
 from .node_id import WorkerIdOrigin, configured_origin
 from .notify import Notifier
 from .ready import ready_line
+from .signals import on_signal
 
 __all__ = [
     "ANSWER_BOUND_S",
@@ -188,7 +189,8 @@ class Supervisor(Collector):
         self._stop = threading.Event()
         self._serving = threading.Event()  # every process started: a stop drains now
         self._children: list[Child] = []
-        self._readiness = Readiness()  # its phase; the children's own checks are theirs
+        self.lifecycle = Lifecycle()
+        self._readiness = Readiness(self.lifecycle)  # its phase; the children's checks are theirs
         self._notifier = Notifier(os.environ)
         self.restarts = dict.fromkeys(RESTART_REASONS, 0)
         self._last_round: float | None = None  # the clock when a round last completed
@@ -284,7 +286,7 @@ class Supervisor(Collector):
         self.scrape_children()
         threading.Thread(target=self._scrape, name="scrape", daemon=True).start()
         admin.start()
-        self._readiness.serving()
+        self.lifecycle.serving()
         self._serving.set()
         metrics_host, metrics_port = admin.address
         log.info("%d processes serving on %s:%d", settings.processes, settings.host, port)
@@ -334,7 +336,7 @@ class Supervisor(Collector):
             self._signal_children(signal.SIGTERM)
             return
         log.info("received %s: stopping %d processes", name, len(self._children))
-        self._readiness.draining()
+        self.lifecycle.draining()
         self._notifier.stopping(f"draining for {self._settings.drain_seconds:g} s")
         self._stop.set()
 

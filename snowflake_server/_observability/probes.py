@@ -16,9 +16,7 @@ merely overloaded.
 
 from __future__ import annotations
 
-import enum
 import math
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -26,19 +24,12 @@ from typing import NamedTuple
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["Check", "LoopWatch", "Phase", "Readiness"]
+from .lifecycle import Lifecycle, Phase
+
+__all__ = ["Check", "LoopWatch", "Readiness"]
 
 Check = Callable[[], str | None]
 """Why ids cannot be had now, or None if this check passes."""
-
-
-class Phase(enum.Enum):
-    """Where a node is in its life; only ``SERVING`` may be ready."""
-
-    STARTING = "starting"
-    SERVING = "serving"
-    DRAINING = "draining"
-    STOPPED = "stopped"
 
 
 _PHASE_REASONS = {
@@ -49,43 +40,26 @@ _PHASE_REASONS = {
 
 
 class Readiness(Collector):
-    """The node's phase and its checks; exported as ``snowflake_ready``.
+    """The node's phase (read from its :class:`Lifecycle`, which the node drives) and
+    its checks; exported as ``snowflake_ready``.
 
-    The phase only moves forward (starting, serving, draining, stopped), so a
-    late ``serving()`` never undoes a drain that began first. Checks are called
-    on every probe and scrape: each must be cheap and never block.
+    Checks are called on every probe and scrape: each must be cheap and never block.
     """
 
-    def __init__(self) -> None:
-        self._phase = Phase.STARTING
-        self._lock = threading.Lock()
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self._lifecycle = lifecycle
         self._checks: list[Check] = []
 
     @property
     def phase(self) -> Phase:
-        return self._phase
+        return self._lifecycle.phase
 
     def add_check(self, check: Check) -> None:
         self._checks.append(check)
 
-    def serving(self) -> None:
-        self._advance(Phase.SERVING)
-
-    def draining(self) -> None:
-        self._advance(Phase.DRAINING)
-
-    def stopped(self) -> None:
-        self._advance(Phase.STOPPED)
-
-    def _advance(self, phase: Phase) -> None:
-        order = list(Phase)
-        with self._lock:
-            if order.index(phase) > order.index(self._phase):
-                self._phase = phase
-
     def reason(self) -> str | None:
         """Why a ``get_id`` would fail now, or None when it would succeed."""
-        phase = self._phase
+        phase = self._lifecycle.phase
         if phase is not Phase.SERVING:
             return _PHASE_REASONS[phase]
         for check in self._checks:

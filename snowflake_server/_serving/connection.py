@@ -489,9 +489,10 @@ class Connection(asyncio.Protocol):
             and self._writable
         )
 
-    def _check(self) -> None:
-        # A flag per read and a count of requests served, looked at every quarter of
-        # the shorter deadline: no clock read per call.
+    def check_deadlines(self) -> None:
+        """One look at the idle and request deadlines: the connection's timer makes it
+        every quarter of the shorter one (a test makes each look itself)."""
+        # A flag per read and a count of requests served, looked at: no clock read per call.
         self._timer = None
         if self._finished:
             return
@@ -555,7 +556,7 @@ class Connection(asyncio.Protocol):
         return min(deadlines) / _CHECKS
 
     def _schedule_check(self) -> None:
-        self._timer = self._shared.loop.call_later(self._period(), self._check)
+        self._timer = self._shared.loop.call_later(self._period(), self.check_deadlines)
 
     # -- life cycle ---------------------------------------------------------------
 

@@ -3,11 +3,6 @@ whatever the state directory, freed when its holder dies."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-import textwrap
-
 import pytest
 
 from snowflake_server import StartupRefused
@@ -51,36 +46,3 @@ def test_any_other_bind_error_is_a_refusal(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr("socket.socket.bind", fail)
     with pytest.raises(StartupRefused, match=r"cannot take the host lock .*Permission denied"):
         HostLock.acquire(0, 0, unique_scope())
-
-
-_HOLDER = textwrap.dedent(
-    """
-    import sys
-    from snowflake_server._state.hostlock import HostLock
-    lock = HostLock.acquire(0, 5, sys.argv[1])
-    print("held", flush=True)
-    sys.stdin.read()
-    """
-)
-
-
-def test_another_process_holds_it_until_it_dies() -> None:
-    """The case the state file's lock missed: nothing on disk is shared."""
-    scope = unique_scope()
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, scope],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert holder.stdin is not None and holder.stdout is not None
-    try:
-        assert holder.stdout.readline() == "held\n"
-        with pytest.raises(StartupRefused, match="serving datacenter 0, worker 5"):
-            HostLock.acquire(0, 5, scope)
-    finally:
-        holder.send_signal(signal.SIGKILL)  # no clean-up: the kernel frees the name
-        holder.wait()
-        holder.stdin.close()
-        holder.stdout.close()
-    HostLock.acquire(0, 5, scope).release()

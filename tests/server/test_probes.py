@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from snowflake_server import ServerSettings
-from snowflake_server._observability.probes import LoopWatch, Phase, Readiness
+from snowflake_server._observability.lifecycle import Lifecycle, Phase
+from snowflake_server._observability.probes import LoopWatch, Readiness
 from tests.support.fakes import SecondsClock
 from tests.support.inprocess import InProcessServer
 from tests.support.waiting import wait_until
@@ -27,28 +28,30 @@ def ready_gauge(readiness: Readiness) -> float | None:
 
 def test_only_a_serving_node_whose_checks_pass_is_ready() -> None:
     failing: list[str] = []
-    readiness = Readiness()
+    lifecycle = Lifecycle()
+    readiness = Readiness(lifecycle)
     readiness.add_check(lambda: None)
     readiness.add_check(lambda: failing[0] if failing else None)
     assert readiness.reason() == "starting: the node does not serve yet"
     assert ready_gauge(readiness) == 0
-    readiness.serving()
+    lifecycle.serving()
     assert readiness.reason() is None and ready_gauge(readiness) == 1
     failing.append("the disk is full")
     assert readiness.reason() == "the disk is full" and ready_gauge(readiness) == 0
     failing.clear()
-    readiness.draining()
+    lifecycle.draining()
     assert (
         readiness.reason() == "draining: the node is stopping; clients should move to other nodes"
     )
-    readiness.stopped()
+    lifecycle.stopped()
     assert readiness.reason() == "stopped" and readiness.phase is Phase.STOPPED
 
 
 def test_the_phase_never_goes_back() -> None:
-    readiness = Readiness()
-    readiness.draining()  # a SIGTERM during start-up
-    readiness.serving()  # start-up finishing after it must not make the node ready
+    lifecycle = Lifecycle()
+    readiness = Readiness(lifecycle)
+    lifecycle.draining()  # a SIGTERM during start-up
+    lifecycle.serving()  # start-up finishing after it must not make the node ready
     assert readiness.phase is Phase.DRAINING and readiness.reason() is not None
 
 
@@ -59,11 +62,12 @@ def test_a_check_is_not_asked_before_the_node_serves() -> None:
         asked.append(1)
         return None
 
-    readiness = Readiness()
+    lifecycle = Lifecycle()
+    readiness = Readiness(lifecycle)
     readiness.add_check(check)
     readiness.reason()
     assert asked == []
-    readiness.serving()
+    lifecycle.serving()
     assert readiness.reason() is None and asked == [1]
 
 

@@ -6,12 +6,8 @@ from __future__ import annotations
 import errno
 import json
 import os
-import signal
 import socket
 import stat
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -425,43 +421,6 @@ def test_a_short_write_fails_the_reservation_and_says_why(tmp_path: Path) -> Non
     again = StateFile.open(tmp_path, 0, 0)
     assert again.load() == now + 1000, "the good mark stays"
     again.close()
-
-
-_WRITER = textwrap.dedent(
-    """
-    import sys
-    from pathlib import Path
-    from snowflake_server._state.statefile import StateFile
-    state = StateFile.open(Path(sys.argv[1]), 0, 0)
-    mark = 0
-    while True:
-        mark += 1
-        state.advance(mark)
-        print(mark, flush=True)
-    """
-)
-
-
-@pytest.mark.slow  # 15 real processes killed mid-write
-def test_a_crash_at_any_instant_leaves_a_whole_file(tmp_path: Path) -> None:
-    for round_ in range(15):
-        directory = tmp_path / str(round_)
-        writer = subprocess.Popen(
-            [sys.executable, "-c", _WRITER, str(directory)], stdout=subprocess.PIPE, text=True
-        )
-        assert writer.stdout is not None
-        confirmed = 0
-        for line in writer.stdout:  # a varying number of writes before the kill
-            confirmed = int(line)
-            if confirmed >= 5 + round_ * 7:
-                break
-        os.kill(writer.pid, signal.SIGKILL)
-        writer.wait()
-        writer.stdout.close()
-        state = StateFile.open(directory, 0, 0)
-        stored = state.load()  # must parse: never torn
-        state.close()
-        assert stored is not None and stored >= confirmed
 
 
 CLOCK_LAYOUT = Layout(datacenter_id_bits=3, clock_sequence_bits=2)

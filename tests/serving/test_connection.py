@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,10 @@ from snowflake_server._serving import connection
 from snowflake_server._serving.listeners import new_event_loop, started_threads
 from snowflake_server._serving.refusal import Refused
 from tests.support.endpoints import encode_call
+from tests.support.fakes import FakeClock
 from tests.support.inprocess import InProcessServer
 from tests.support.processes import failures, parse_metrics
-from tests.support.serving import Driven, StepClock, ThriftReader, one_turn
+from tests.support.serving import Driven, HeldExecutor, StepClock, ThriftReader, one_turn
 from tests.support.waiting import run_in_thread, wait_until
 
 OPEN = 'snowflake_connections_open{protocol="thrift"}'
@@ -460,10 +462,10 @@ def test_a_request_not_whole_within_the_request_timeout_is_refused_however_it_tr
         partial = call_bytes("get_id", 1, framed=True)[:-1]
         conn.data_received(partial[:1])
         for i in range(1, 5):  # a byte per look: never idle, never whole
-            conn._check()
+            conn.check_deadlines()
             assert not transport.closed, f"closed after {i} looks"
             conn.data_received(partial[i : i + 1])
-        conn._check()  # a whole --request-timeout since the request's first look
+        conn.check_deadlines()  # a whole --request-timeout since the request's first look
         error = _thrift_timeout_refusal(made)
         assert error.type == TApplicationException.PROTOCOL_ERROR
         assert "--request-timeout 1 s" in error.message
@@ -479,7 +481,7 @@ def test_a_request_timeout_with_replies_unread_aborts() -> None:
         made.transport.buffered = 100  # replies the client has not read
         made.connection.data_received(b"\x00\x00")
         for _ in range(5):
-            made.connection._check()
+            made.connection.check_deadlines()
         assert made.transport.aborted
     finally:
         made.close()
@@ -496,8 +498,8 @@ def test_a_client_whose_requests_keep_completing_is_never_cut_by_the_request_tim
         for n in range(20):
             start = half + n * len(call)
             conn.data_received(stream[start : start + len(call)])
-            conn._check()
-            conn._check()  # 40 looks in all: ten request timeouts
+            conn.check_deadlines()
+            conn.check_deadlines()  # 40 looks in all: ten request timeouts
         assert not transport.closed and len(made.replies()) == 20
     finally:
         made.close()
@@ -508,9 +510,9 @@ def test_an_http_head_not_whole_within_the_request_timeout_is_a_408() -> None:
     try:
         made.connection.data_received(b"GET /v1/id?agent=a HTTP/1.1\r\nHo")
         for _ in range(4):
-            made.connection._check()
+            made.connection.check_deadlines()
         assert made.transport.written == []
-        made.connection._check()
+        made.connection.check_deadlines()
         head, body = made.written().split(b"\r\n\r\n", 1)
         assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head
         assert json.loads(body)["error"] == "request_timeout"
@@ -529,43 +531,69 @@ def test_idle_checks_close_a_quiet_connection_and_abort_one_with_unread_replies(
             made.transport.buffered = unread
             conn = made.connection
             conn.data_received(call_bytes("get_worker_id", 1, framed=True))
-            conn._check()  # it read since the last look
+            conn.check_deadlines()  # it read since the last look
             for _ in range(3):
-                conn._check()
+                conn.check_deadlines()
                 assert not made.transport.closed
-            conn._check()  # a whole timeout without a read
+            conn.check_deadlines()  # a whole timeout without a read
             assert made.transport.closed and made.transport.aborted == bool(unread)
         finally:
             made.close()
 
 
-def test_a_worker_threads_outcomes(driven: Driven) -> None:
-    conn, transport = driven.connection, driven.transport
-    cancelled = driven.loop.create_future()
-    cancelled.cancel()
-    conn._busy = True
-    conn._after_thread(cancelled)  # the server stopped before the call ran: told, closed
-    [(_, mtype, _, error)] = driven.replies()
-    assert mtype == TMessageType.EXCEPTION and "the server is stopping" in error.message
-    assert error.type == TApplicationException.INTERNAL_ERROR and transport.closed
+def on_a_thread() -> tuple[Driven, Future[Any]]:
+    """A connection whose ``get_id`` went to a worker thread (its clock 100 ms behind the
+    last id, to be waited out) and waits there: the test settles the call as its thread
+    would have."""
+    clock = FakeClock(1_700_000_000_000)
+    generator = IdGenerator(
+        GeneratorSettings(max_backwards_ms=1000), clock=clock, sleep=clock.sleep
+    )
+    generator.next_id()
+    clock.now -= 100  # within the tolerance: the call waits it out, on a thread
+    held = HeldExecutor()
+    made = Driven(generator=generator, executor=held)
+    forbid_waiting()  # as on the serving loop's thread
+    try:
+        made.connection.data_received(call_bytes("get_id", 1, framed=True))
+    finally:
+        forbid_waiting(False)
+    assert len(held.calls) == 1 and made.replies() == [], "the call waits on a thread"
+    return made, held.calls[0]
+
+
+def settle(made: Driven) -> None:
+    """Run the loop's turns until the thread's outcome has reached the connection."""
+    for _ in range(3):  # the future's state, then its callback: a turn each
+        one_turn(made.loop)
+
+
+def test_a_worker_threads_outcomes() -> None:
+    driven, call = on_a_thread()
+    try:
+        conn, transport = driven.connection, driven.transport
+        assert conn is not None
+        call.cancel()  # the server stopped before the call ran: told, closed
+        settle(driven)
+        [(_, mtype, _, error)] = driven.replies()
+        assert mtype == TMessageType.EXCEPTION and "the server is stopping" in error.message
+        assert error.type == TApplicationException.INTERNAL_ERROR and transport.closed
+    finally:
+        driven.close()
 
 
 def test_a_worker_threads_refusal_is_sent_before_the_close(tmp_path: Path) -> None:
-    made = Driven()
+    made, refused = on_a_thread()
     try:
-        refused = made.loop.create_future()
         refused.set_exception(Refused("protocol_error", "undecodable request: x"))
-        made.connection._busy = True
-        made.connection._after_thread(refused)
+        settle(made)
         (reply,) = made.replies()
         assert reply[1] == TMessageType.EXCEPTION and "undecodable" in reply[3].message
         assert made.transport.closed
-        failed = made.loop.create_future()
-        failed.set_exception(RuntimeError("a bug"))
-        other = Driven()
+        other, failed = on_a_thread()
         try:
-            other.connection._busy = True
-            other.connection._after_thread(failed)  # a bug: an answer all the same
+            failed.set_exception(RuntimeError("a bug"))  # a bug: an answer all the same
+            settle(other)
             [(_, mtype, _, error)] = other.replies()
             assert mtype == TMessageType.EXCEPTION and error.message == "internal error"
             assert error.type == TApplicationException.INTERNAL_ERROR
@@ -576,15 +604,17 @@ def test_a_worker_threads_refusal_is_sent_before_the_close(tmp_path: Path) -> No
         made.close()
 
 
-def test_gone_while_busy_is_finished_after_the_thread(driven: Driven) -> None:
-    conn = driven.connection
-    conn._busy = True
-    conn.connection_lost(ConnectionResetError("reset"))
-    assert conn in driven.shared.connections  # its call still counts on a thread
-    done = driven.loop.create_future()
-    done.set_result(b"never sent")
-    conn._after_thread(done)
-    assert conn not in driven.shared.connections and driven.transport.written == []
+def test_gone_while_busy_is_finished_after_the_thread() -> None:
+    driven, done = on_a_thread()
+    try:
+        conn = driven.connection
+        conn.connection_lost(ConnectionResetError("reset"))
+        assert conn in driven.shared.connections  # its call still counts on a thread
+        done.set_result(b"never sent")
+        settle(driven)
+        assert conn not in driven.shared.connections and driven.transport.written == []
+    finally:
+        driven.close()
 
 
 def test_a_drain_serves_what_was_received_then_closes(driven: Driven) -> None:
@@ -723,11 +753,11 @@ def test_a_tls_record_trickled_a_byte_at_a_time_meets_the_request_deadline() -> 
         for i in range(4):  # a byte per look: never idle, never whole
             conn.data_received(record[i : i + 1])
             one_turn(made.loop)
-            conn._check()
+            conn.check_deadlines()
             assert not transport.closed, f"closed after {i + 1} looks"
         conn.data_received(record[4:5])
         one_turn(made.loop)
-        conn._check()
+        conn.check_deadlines()
         assert transport.closed
         assert made.metrics.totals().exceptions == {("request_timeout", NO_METHOD): 1}
     finally:
@@ -752,20 +782,34 @@ def test_a_drain_serves_in_turns_not_all_at_once() -> None:
 
 
 def test_a_call_that_meets_a_busy_generator_tries_again_on_the_loop() -> None:
-    made = Driven()
+    # A worker thread's call holds the generator: its clock read waits on a gate.
+    in_call, gate = threading.Event(), threading.Event()
+
+    def clock() -> int:
+        if threading.current_thread().name == "holder":
+            in_call.set()
+            gate.wait(10)
+        return wall_clock_ms()
+
+    made = Driven(generator=IdGenerator(GeneratorSettings(), clock=clock))
+    holder = threading.Thread(target=made.generator.next_id, name="holder")
+    holder.start()
     forbid_waiting()  # as on the serving loop's thread
     try:
         conn, transport = made.connection, made.transport
-        made.generator._lock.acquire()  # a worker thread's call holds it
+        assert in_call.wait(10), "the holder's call never started"
         conn.data_received(call_bytes("get_id", 1, framed=True))
         assert made.replies() == [] and not transport.reading  # held, and not read
-        made.generator._lock.release()
+        gate.set()
+        holder.join(10)
         made.loop.run_until_complete(asyncio.sleep(0.01))  # its retry, half a ms later
         [(name, mtype, _, result)] = made.replies()
         assert (name, mtype) == ("get_id", TMessageType.REPLY) and result.success > 0
         assert transport.reading
     finally:
         forbid_waiting(False)
+        gate.set()
+        holder.join(10)
         made.close()
 
 
@@ -776,7 +820,7 @@ def test_a_deadline_on_a_closing_connection_with_unread_replies_aborts_it_once()
         made.connection.data_received(b"\xff\xff\xff\xff")  # refused: closing
         assert made.transport.closed and not made.transport.aborted
         for _ in range(6):
-            made.connection._check()
+            made.connection.check_deadlines()
         assert made.transport.aborted
         assert made.metrics.totals().exceptions == {("frame_too_large", NO_METHOD): 1}
     finally:
@@ -791,7 +835,7 @@ def test_a_whole_request_held_back_by_its_unread_replies_is_no_late_request() ->
         conn.pause_writing()  # its client reads nothing
         conn.data_received(call_bytes("get_worker_id", 1, framed=True))
         for _ in range(8):
-            conn._check()
+            conn.check_deadlines()
         assert not transport.closed and made.metrics.totals().exceptions == {}
         conn.resume_writing()
         assert [r[:3] for r in made.replies()] == [("get_worker_id", TMessageType.REPLY, 1)]
@@ -806,17 +850,17 @@ def test_a_partial_request_held_back_a_while_keeps_its_deadline_count() -> None:
     try:
         conn, transport = made.connection, made.transport
         conn.data_received(b"\x00\x00")  # part of a frame's length
-        conn._check()
-        conn._check()
+        conn.check_deadlines()
+        conn.check_deadlines()
         conn.pause_writing()  # its replies unread: held back
         for _ in range(3):
-            conn._check()
+            conn.check_deadlines()
         assert not transport.closed
         conn.resume_writing()
-        conn._check()
-        conn._check()
+        conn.check_deadlines()
+        conn.check_deadlines()
         assert not transport.closed
-        conn._check()  # the 5th look at it partial while not held back
+        conn.check_deadlines()  # the 5th look at it partial while not held back
         assert transport.closed
         assert made.metrics.totals().exceptions == {("request_timeout", NO_METHOD): 1}
     finally:

@@ -62,3 +62,16 @@ def test_a_hard_limit_too_low_for_the_connections_is_a_configuration_error(
     assert f"ulimit -n {hard + SPARE_FDS}" in str(raised.value)
     assert f"lower those limits by {SPARE_FDS} or more" in str(raised.value)
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == open_files  # nothing changed
+
+
+def test_the_open_file_limit_is_checked_in_process() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no hard limit on open files here")
+    from snowflake_server._errors import ConfigurationError
+    from snowflake_server._serving.listeners import check_open_files
+
+    with pytest.raises(ConfigurationError, match=r"needs \d+ open files"):
+        check_open_files(hard - SPARE_FDS + 1)
+    check_open_files(min(soft, hard - SPARE_FDS))  # fits: no error
+    assert resource.getrlimit(resource.RLIMIT_NOFILE) == (max(soft, min(soft, hard)), hard)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 from snowflake_thrift_client._idl import snowflake_thrift
@@ -46,6 +47,20 @@ class StepClock:
     def __call__(self) -> float:
         self.now += self.step
         return self.now
+
+
+class HeldExecutor(Executor):
+    """Worker threads that run nothing: each call handed to them waits as a ``Future``
+    in :attr:`calls` until the test settles it (a result, an exception, a cancel), as
+    the call's thread would have."""
+
+    def __init__(self) -> None:
+        self.calls: list[Future[Any]] = []
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self.calls.append(future)
+        return future
 
 
 def one_turn(loop: asyncio.AbstractEventLoop) -> None:
@@ -127,6 +142,7 @@ class Driven:
         peer_check_only: bool = False,
         max_frame_size: int = 65536,
         established: bool = True,
+        executor: Executor | None = None,
     ) -> None:
         # asyncio's own loop, not uvloop's: one_turn must run exactly one turn, and
         # uvloop's stop() lets a second one run first.
@@ -139,7 +155,7 @@ class Driven:
         self.shared = Shared(
             loop=self.loop,
             metrics=self.metrics,
-            executor=ThreadPoolExecutor(1),
+            executor=executor or ThreadPoolExecutor(1),
             turns=self.turns,
         )
         generator_ = self.generator

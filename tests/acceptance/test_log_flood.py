@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import socket
 import subprocess
 import time
 
-import pytest
-
-from snowflake_server._serving.listeners import SPARE_FDS
 from tests.support.processes import parse_metrics, spawn_server, start_server
 from tests.support.waiting import wait_until
 
@@ -73,19 +69,6 @@ def test_an_open_file_limit_below_max_connections_is_refused_at_start() -> None:
     assert "needs 1136 open files" in log
     assert "512 (soft) / 512 (hard)" in log and "LimitNOFILE=1136" in log
     assert "lower those limits by 624 or more" in log
-
-
-def test_the_open_file_limit_is_checked_in_process() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY:
-        pytest.skip("no hard limit on open files here")
-    from snowflake_server._errors import ConfigurationError
-    from snowflake_server._serving.listeners import check_open_files
-
-    with pytest.raises(ConfigurationError, match=r"needs \d+ open files"):
-        check_open_files(hard - SPARE_FDS + 1)
-    check_open_files(min(soft, hard - SPARE_FDS))  # fits: no error
-    assert resource.getrlimit(resource.RLIMIT_NOFILE) == (max(soft, min(soft, hard)), hard)
 
 
 def test_out_of_file_descriptors_the_admin_endpoint_pauses_instead_of_logging_tracebacks() -> None:

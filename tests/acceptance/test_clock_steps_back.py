@@ -2,7 +2,7 @@
 serving and restarted behind its marks, with ``--clock-sequence-bits 2``.
 
 Each scenario prints one ``CLOCK-SEQUENCE`` line (ids, errors, switches) for the record:
-``pytest -s tests/acceptance/test_clock_sequence.py | grep CLOCK-SEQUENCE``.
+``pytest -s tests/acceptance/test_clock_steps_back.py | grep CLOCK-SEQUENCE``.
 """
 
 from __future__ import annotations
