@@ -16,7 +16,7 @@ so a node that wakes after its session expired finds its gate closed before any
 check runs.
 
 Any sign against the proof closes the gate at once, and only a new registration
-reopens it (:meth:`SessionGate.reopen`): a lost session, a registration gone or
+begun after it reopens it (:meth:`SessionGate.reopen`): a lost session, a registration gone or
 another session's, a mark write refused. An answer to a heartbeat sent before a
 closure proves nothing and opens nothing, nor does one while the gate is held (the
 cluster's layout record is another layout's). ``SUSPENDED`` closes nothing: the
@@ -68,6 +68,7 @@ class SessionGate:
         self._reason = "not registered yet"
         self._closures = 0
         self._shut = True
+        self._shuts = 0  # closures that shut it (not holds): see reopen()
         self._held: str | None = None
         self.last_contact = float("-inf")
         """When the last confirmed heartbeat was sent (the gate's clock)."""
@@ -105,19 +106,32 @@ class SessionGate:
 
     # -- what closes and opens it -----------------------------------------------
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str | None = None) -> None:
         """Stop handing out ids at once, until a new registration (:meth:`reopen`); calls
-        are told ``reason``. An answer to a heartbeat sent before this opens nothing."""
+        are told ``reason`` (None: the reason already given). An answer to a heartbeat
+        sent before this opens nothing."""
         with self._lock:
             self._closures += 1
+            self._shuts += 1
             self._shut = True
             self._open_until = float("-inf")
-            self._reason = reason
+            if reason is not None:
+                self._reason = reason
 
-    def reopen(self) -> None:
-        """A new registration stands: the next confirmation may open the gate."""
+    def registering(self) -> int:
+        """Note a registration about to start; hand the token to :meth:`reopen`."""
+        return self._shuts
+
+    def reopen(self, token: int) -> bool:
+        """The registration that began with ``token`` (:meth:`registering`) stands: the
+        next confirmation may open the gate. False, and the gate stays shut, if it was
+        closed meanwhile (a mark write refused while the worker opened): what closed it
+        was about this registration, so it must be made again."""
         with self._lock:
+            if self._shuts != token:
+                return False
             self._shut = False
+            return True
 
     def hold(self, reason: str | None) -> None:
         """Keep the gate closed for ``reason`` whatever ZooKeeper confirms (None: stop
@@ -132,12 +146,15 @@ class SessionGate:
     def unreachable(self) -> None:
         """ZooKeeper is out of reach (``SUSPENDED``): nothing closes, but once the deadline
         passes calls are told why."""
-        self._reason = UNREACHABLE
+        with self._lock:
+            self._reason = UNREACHABLE
 
     # -- the proof --------------------------------------------------------------
 
     def send(self) -> Heartbeat:
         """Note a heartbeat about to be sent (before the request leaves)."""
+        # The clock before the count: a closure between the two makes the answer void
+        # (the count moved on), never a proof dated later than it was sent.
         return Heartbeat(self._clock(), self._closures)
 
     def confirm(self, beat: Heartbeat, timeout_s: float) -> bool:

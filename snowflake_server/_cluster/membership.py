@@ -271,6 +271,7 @@ class Cluster(Collector):
     def _register(self, preferred: int | None, patient: bool, stage: Stage) -> None:
         """Check the layout record, lease a worker id, open its worker and serve it; the
         record is confirmed again right before the worker's first mark is written."""
+        token = self._gate.registering()
         self._check_layout(stage)
         skipped: set[int] = set()
         static = None if self._settings.auto_worker_id else self._settings.worker_id
@@ -328,9 +329,14 @@ class Cluster(Collector):
         self._node = node
         self._held = None  # ours again, or another id's: the supervision has its marks
         self._slot.install(worker)
-        self._gate.reopen()
         self.registrations += 1
         log.info("registered %s as datacenter %d, worker %d", self.address, self._dc, worker_id)
+        if not self._gate.reopen(token):
+            # Closed while the worker opened (its first mark write refused, on the
+            # reservation's thread): that was about this registration; the next tick
+            # makes another.
+            log.warning("closed while registering (%s): registering again", self._gate.reason)
+            return
         self._heartbeat()
 
     def _load_marks(self, worker_id: int, node: str) -> tuple[ZkMarkStore, float | None]:
@@ -473,7 +479,6 @@ class Cluster(Collector):
         self._check_layout(Stage.SERVING, min(self._wait, self.session_timeout / 4))
 
     def _register_again(self) -> None:
-        self._gate.close(self._gate.reason)  # whatever closed it, nothing reopens it now
         old = self._slot.retire()
         if old is not None:
             # Its exact final marks (the state file's): no id of it is stamped later.
@@ -516,13 +521,14 @@ class Cluster(Collector):
         self._interrupt.set()  # a registration again in the supervision thread may wait
         if self._thread is not None:
             self._thread.join()
-        self._gate.close("this node is stopping")
-        self._slot.retire()
+        self._slot.retire("this node is stopping")
         client = self._client
         if client is None:
             return
         if self._node is not None and client.connected:
             self.lease.release(self._node)
+        # A session ended on purpose is no lost session: calls keep being told why.
+        client.remove_listener(self._on_state)
         client.stop()
         client.close()
 

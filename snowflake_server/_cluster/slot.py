@@ -45,9 +45,12 @@ class WorkerSlot:
             assert self._worker is None, "retire the old worker first"
             self._worker = worker
 
-    def retire(self) -> Worker | None:
-        """Close the worker (its exact final mark is written) and take it out: no id of
-        it is handed out after this. Its ids keep counting in :meth:`counters`."""
+    def retire(self, reason: str | None = None) -> Worker | None:
+        """Close the gate (calls are told ``reason``; None: the reason already given) and
+        the worker (its exact final mark is written), and take it out: the next worker
+        serves only once a new registration is proven. Its ids keep counting in
+        :meth:`counters`."""
+        self.gate.close(reason)
         worker = self._worker
         if worker is None:
             return None

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kazoo.client import KazooClient
 
 from snowflake_server._cluster.gate import OPEN_FRACTION, UNREACHABLE, Heartbeat, SessionGate
@@ -25,7 +26,7 @@ TIMEOUT = 4.0
 def registered(clock: SecondsClock) -> SessionGate:
     """A gate whose node just registered (not confirmed yet)."""
     gate = SessionGate(clock)
-    gate.reopen()
+    assert gate.reopen(gate.registering())
     return gate
 
 
@@ -59,7 +60,7 @@ def test_a_closure_while_a_heartbeat_is_under_way_voids_its_answer() -> None:
     gate = registered(clock)
     beat = gate.send()
     gate.close("the ZooKeeper session was lost; registering again")
-    gate.reopen()  # even a registration since: the answer is to the old question
+    assert gate.reopen(gate.registering())  # a registration since: the answer is to the old one
     assert not gate.confirm(beat, TIMEOUT)
     assert not gate.is_open()
     assert gate.confirm(gate.send(), TIMEOUT), "a heartbeat sent after it counts"
@@ -73,8 +74,28 @@ def test_a_closure_shuts_the_gate_until_a_new_registration() -> None:
     assert not gate.is_open() and gate.shut
     assert gate.reason == "worker id lost: a mark write was refused; registering again"
     assert not gate.confirm(gate.send(), TIMEOUT), "the old registration proves nothing"
-    gate.reopen()
+    assert gate.reopen(gate.registering())
     assert gate.confirm(gate.send(), TIMEOUT) and gate.is_open()
+
+
+def test_a_closure_while_registering_keeps_the_gate_shut() -> None:
+    """A mark write refused while the worker opened (the reservation's thread) is about
+    the registration under way: it must be made again, not reopened."""
+    gate = SessionGate(SecondsClock())
+    token = gate.registering()
+    gate.close("worker id lost: a mark write was refused; registering again")
+    assert not gate.reopen(token) and gate.shut
+    assert not gate.confirm(gate.send(), TIMEOUT)
+    gate.hold("held")
+    gate.hold(None)
+    assert gate.reopen(gate.registering()), "a hold is no closure of the registration"
+
+
+def test_a_closure_without_a_reason_keeps_the_one_given() -> None:
+    gate = registered(SecondsClock())
+    gate.close("the ZooKeeper session was lost; registering again")
+    gate.close()
+    assert gate.reason == "the ZooKeeper session was lost; registering again"
 
 
 def test_a_hold_closes_at_once_and_keeps_it_closed_whatever_zookeeper_confirms() -> None:
@@ -105,62 +126,90 @@ def test_zookeeper_out_of_reach_closes_nothing_but_says_why_once_it_lapses() -> 
     gate.close("something")
     gate.unreachable()
     assert gate.reason == UNREACHABLE
-    gate.reopen()
+    assert gate.reopen(gate.registering())
     gate.confirm(gate.send(), TIMEOUT)
     gate.unreachable()
     assert gate.is_open(), "SUSPENDED: the deadline runs out by itself"
 
 
-# What can happen to a gate, in any order: (operation, seconds the clock moves first).
-_OPS = st.lists(
-    st.tuples(
-        st.sampled_from(["send", "confirm", "close", "reopen", "hold", "release", "look"]),
-        st.floats(min_value=0.0, max_value=3.0),
-        st.floats(min_value=0.5, max_value=20.0),
-    ),
-    max_size=60,
-)
+class GateLaw(RuleBasedStateMachine):
+    """The law, against a model, under any interleaving of what happens to a gate: it is
+    open exactly while a registration begun after the last closure stands, nothing holds
+    it, and now is within 0.9 x timeout of the send of the last heartbeat that opened it,
+    a heartbeat sent after the last closure or hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = SecondsClock(0.0)
+        self.gate = SessionGate(self.clock)
+        self.beats: list[Heartbeat] = []
+        self.tokens: list[tuple[int, bool]] = []  # (token, whether it may still reopen)
+        self.last_closure = float("-inf")  # a close or a hold
+        self.valid_until = float("-inf")
+        self.shut, self.held = True, False
+        self.reason = "not registered yet"
+
+    def _closed(self) -> None:
+        self.valid_until, self.last_closure = float("-inf"), self.clock.now
+        self.clock.advance(1e-6)  # a heartbeat sent after it is strictly later
+
+    @rule(seconds=st.floats(min_value=0.0, max_value=3.0))
+    def time_passes(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+
+    @rule()
+    def send(self) -> None:
+        self.beats.append(self.gate.send())
+
+    @precondition(lambda self: self.beats)
+    @rule(data=st.data(), timeout=st.floats(min_value=0.5, max_value=20.0))
+    def confirm(self, data: st.DataObject, timeout: float) -> None:
+        beat = self.beats.pop(data.draw(st.integers(0, len(self.beats) - 1)))
+        opened = self.gate.confirm(beat, timeout)
+        assert opened == (not self.shut and not self.held and beat.sent > self.last_closure)
+        if opened:
+            self.valid_until = beat.sent + OPEN_FRACTION * timeout
+            self.reason = UNREACHABLE  # what it says once it lapses
+
+    @rule()
+    def close(self) -> None:
+        self.gate.close("closed")
+        self.shut, self.reason = True, "closed"
+        self.tokens = [(token, False) for token, _ in self.tokens]
+        self._closed()
+
+    @rule()
+    def begin_registering(self) -> None:
+        self.tokens.append((self.gate.registering(), True))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def reopen(self, data: st.DataObject) -> None:
+        token, valid = self.tokens.pop(data.draw(st.integers(0, len(self.tokens) - 1)))
+        assert self.gate.reopen(token) == valid
+        if valid:
+            self.shut = False
+
+    @rule()
+    def hold(self) -> None:
+        self.gate.hold("held")
+        self.held, self.reason = True, "held"
+        self._closed()
+
+    @rule()
+    def release(self) -> None:
+        self.gate.hold(None)
+        self.held = False
+
+    @invariant()
+    def open_exactly_while_proven(self) -> None:
+        expected = not self.shut and not self.held and self.clock.now <= self.valid_until
+        assert self.gate.is_open() == expected
+        assert self.gate.reason == self.reason
 
 
-@settings(max_examples=500, deadline=None)
-@given(_OPS)
-def test_the_gate_is_never_open_past_0_9_x_timeout_after_its_last_valid_proof(
-    ops: list[tuple[str, float, float]],
-) -> None:
-    """The law: whenever the gate is open, the last confirmation was of a heartbeat sent
-    after the last closure, and now is within 0.9 x its timeout of that send; and it is
-    never open while shut or held."""
-    clock = SecondsClock(0.0)
-    gate = SessionGate(clock)
-    beats: list[Heartbeat] = []
-    last_closure = float("-inf")
-    valid_until = float("-inf")  # what the model allows, from the last opening confirm
-    shut, held = True, False
-    for op, elapsed, timeout in ops:
-        clock.advance(elapsed)
-        if op == "send":
-            beats.append(gate.send())
-        elif op == "confirm" and beats:
-            beat = beats.pop(0)
-            opened = gate.confirm(beat, timeout)
-            assert opened == (not shut and not held and beat.sent > last_closure)
-            if opened:
-                valid_until = beat.sent + OPEN_FRACTION * timeout
-        elif op == "close":
-            gate.close("closed")
-            shut, valid_until, last_closure = True, float("-inf"), clock.now
-            clock.advance(1e-6)  # a beat sent after this is strictly later
-        elif op == "reopen":
-            gate.reopen()
-            shut = False
-        elif op == "hold":
-            gate.hold("held")
-            held, valid_until, last_closure = True, float("-inf"), clock.now
-            clock.advance(1e-6)
-        elif op == "release":
-            gate.hold(None)
-            held = False
-        assert gate.is_open() == (not shut and not held and clock.now <= valid_until)
+GateLaw.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+test_the_gate_is_open_exactly_while_a_valid_proof_stands = GateLaw.TestCase
 
 
 # -- the heartbeat, against a real ZooKeeper --------------------------------------

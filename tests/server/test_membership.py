@@ -176,6 +176,7 @@ def member(zookeeper: ZooKeeper, zk_path: str, tmp_path: Path) -> Iterator[Make]
         clock_ms: int = T0,
         on_sleep: Callable[[float], object] | None = None,
         stop_ends_waits: bool = False,
+        after_open: Callable[[], object] | None = None,
         **overrides: Any,
     ) -> Member:
         defaults: dict[str, Any] = {
@@ -198,10 +199,13 @@ def member(zookeeper: ZooKeeper, zk_path: str, tmp_path: Path) -> Iterator[Make]
             *,
             before_first_write: Callable[[], None] | None = None,
         ) -> Worker:
-            return Worker.open(
+            worker = Worker.open(
                 settings.worker, worker_id, clock=clock, sleep=clock.sleep, remote=remote,
                 first_start_waited=waited, before_first_write=before_first_write,
             )  # fmt: skip
+            if after_open is not None:
+                after_open()  # what happens on other threads once the worker is open
+            return worker
 
         clients: list[WatchedClient] = []
         sleeps: list[float] = []
@@ -658,7 +662,7 @@ def test_close_deletes_the_node_and_stores_the_exact_mark(
     assert zk.exists(f"{zk_path}/nodes/0/4") is None, "deleted at once, not at expiry"
     assert mark(zk, f"{zk_path}/marks/0/4") == decompose(last).timestamp_ms == T0 + 1234
     assert not node.client.connected
-    with pytest.raises(UnavailableError):
+    with pytest.raises(UnavailableError, match="this node is stopping"):
         node.slot.next_id()
 
 
@@ -1098,6 +1102,29 @@ def test_a_mark_write_refused_during_a_heartbeat_keeps_the_gate_closed(
     node.gate.advance(1)
     node.tick()
     assert not node.slot.serving and node.slot.gate.shut
+
+
+def test_a_mark_write_refused_while_the_worker_opens_means_registering_again(
+    member: Make,
+) -> None:
+    """The reservation's thread finds its mark write refused (another node put the id's
+    mark back) after the worker opened but before the registration reopened the gate:
+    that refusal is about this registration. It was wiped out by the reopening, and the
+    next heartbeat opened the gate on a worker id this node had lost."""
+    refusals = ["a mark write was refused"]
+    made: list[Member] = []
+
+    def refused() -> None:
+        if refusals:
+            made[0].cluster.lost_ownership(refusals.pop())
+
+    node = member(worker_id=2, after_open=refused)
+    made.append(node)
+    node.join()
+    assert not node.slot.serving and node.slot.gate.shut
+    assert "worker id lost: a mark write was refused" in (node.slot.unavailable_reason() or "")
+    node.tick()
+    assert node.slot.serving and node.cluster.registrations == 2
 
 
 def test_failures_to_register_again_are_logged_once_per_reason_and_minute(

@@ -32,7 +32,7 @@ def open_worker(tmp_path: Path, clock: FakeClock, worker_id: int) -> Worker:
 
 def opened(gate: SessionGate) -> float:
     """Open ``gate`` as a registration and a confirmed heartbeat do; its deadline."""
-    gate.reopen()
+    assert gate.reopen(gate.registering())
     assert gate.confirm(gate.send(), TIMEOUT)
     return gate.open_until
 
@@ -104,12 +104,17 @@ def test_counters_add_up_every_worker_the_slot_held(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="retire the old worker first"):
         slot.install(next_worker)
     first = slot.retire()
-    assert first is not None and not slot.serving, "no worker, no ids"
+    assert first is not None and not slot.serving, "retiring closes the slot"
+    assert slot.gate.shut and not slot.gate.is_open()
     with pytest.raises(ReservationError):
         first.generator.next_id()  # and its worker: sealed
     assert slot.counters().ids_generated == 3, "a retired worker's ids still count"
     slot.install(next_worker)
+    assert not slot.serving, "the next worker serves only once its registration is proven"
+    opened(slot.gate)
     slot.next_ids(4)
     assert slot.counters().ids_generated == 7
-    assert slot.retire() is not None
+    assert slot.retire("this node is stopping") is not None
     assert slot.counters().ids_generated == 7
+    with pytest.raises(UnavailableError, match="this node is stopping"):
+        slot.next_id()
