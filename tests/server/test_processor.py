@@ -9,10 +9,12 @@ Thrift message, and ``WouldBlock``, leave the processor as exceptions."""
 
 from __future__ import annotations
 
+import json
 import logging
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +25,7 @@ from thriftpy2.transport import TCyMemoryBuffer
 
 from snowflake_server import GeneratorSettings, IdGenerator, Layout, decompose
 from snowflake_server._ids.generator import WouldBlock, forbid_waiting
+from snowflake_server._observability.audit import AuditLog
 from snowflake_server._observability.metrics import NO_METHOD, ConnectionStats, ServiceMetrics
 from snowflake_server._service import SnowflakeHandler
 from snowflake_server._thrift.processor import (
@@ -112,16 +115,16 @@ class Served:
         return self.generator.counters().ids_generated
 
 
-def serve(settings: GeneratorSettings | None = None, *, max_agents: int = 100) -> Served:
+def serve(settings: GeneratorSettings | None = None, *, audit: AuditLog | None = None) -> Served:
     clock = BreakableClock(T0)
     generator = IdGenerator(
         settings or GeneratorSettings(datacenter_id=2, worker_id=5),
         clock=clock,
         sleep=clock.sleep,
     )
-    metrics = ServiceMetrics(generator, service_methods(), max_agents=max_agents)
+    metrics = ServiceMetrics(generator, service_methods(), max_agents=100)
     stats = metrics.open_connection()
-    processor = Processor(SnowflakeHandler(generator, metrics, stats, clock), stats)
+    processor = Processor(SnowflakeHandler(generator, metrics, stats, clock, audit), stats)
     return Served(processor, generator, metrics, stats, clock)
 
 
@@ -516,11 +519,25 @@ def test_a_call_that_would_wait_raises_would_block_having_issued_and_counted_not
 # -- the get_id fast path: the same bytes as the reference path ---------------------------
 
 
-def test_get_id_frame_writes_what_the_reference_path_writes_framed() -> None:
-    fast, reference = serve(), serve()
+@pytest.fixture
+def audits(tmp_path: Path) -> Iterator[list[AuditLog]]:
+    """Two audit trails, their writers not started (close() writes what was queued),
+    closed after the test whatever happens."""
+    made = [AuditLog(str(tmp_path / name)) for name in ("fast.jsonl", "reference.jsonl")]
+    yield made
+    for audit in made:
+        audit.close()
+
+
+def test_get_id_frame_writes_what_the_reference_path_writes_framed(
+    audits: list[AuditLog],
+) -> None:
+    """Also for the agents it remembers (their label and agent not checked again) and
+    past as many as it remembers: the same ids counted and audited for the same agents."""
+    fast, reference = (serve(audit=audit) for audit in audits)
     calls: list[bytes] = [b"alpha", b"alpha", b"beta-2", b"9lives", b"\xff\xfe", b""]
     calls += [f"agent-{i}".encode() for i in range(70)] * 2  # past the agents cached
-    for seqid, agent in enumerate(calls, -3):
+    for seqid, agent in enumerate(calls, -6):  # the refused ones: negative seqids
         got = fast.processor.get_id_frame(struct.pack(">i", seqid), agent)
         useragent: str | bytes = agent if agent == b"\xff\xfe" else agent.decode()
         assert got == frame(reference.processor.process_message(request(
@@ -528,8 +545,8 @@ def test_get_id_frame_writes_what_the_reference_path_writes_framed() -> None:
         ))), agent  # fmt: skip
     for each in (fast, reference):
         each.clock.now -= 1000  # refused: InvalidSystemClock
-    got = fast.processor.get_id_frame(struct.pack(">i", 99), b"late")
-    want = frame(reference.processor.process_message(request("get_id", 99, useragent="late")))
+    got = fast.processor.get_id_frame(struct.pack(">i", -99), b"late")
+    want = frame(reference.processor.process_message(request("get_id", -99, useragent="late")))
     assert got == want and decode(got[4:])[3].clock_error is not None
     assert fast.stats.agent_ids == reference.stats.agent_ids
     assert fast.stats.agent_ids["agent-69"] == 2
@@ -543,6 +560,13 @@ def test_get_id_frame_writes_what_the_reference_path_writes_framed() -> None:
     )
     assert fast.calls() == reference.calls() == {"get_id": len(calls) + 1}
     assert fast.issued() == reference.issued() == len(calls) - 3
+    for audit in audits:
+        audit.close()
+    trails = [Path(audit.path).read_text(encoding="utf-8").splitlines() for audit in audits]
+    assert trails[0] == trails[1]
+    assert [json.loads(line)["useragent"] for line in trails[0]] == [
+        agent.decode() for agent in calls if agent not in (b"9lives", b"\xff\xfe", b"")
+    ]
 
 
 def test_frame_and_an_error_tied_to_no_call() -> None:
