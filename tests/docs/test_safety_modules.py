@@ -21,13 +21,6 @@ def test_the_list_is_read_whole() -> None:
     assert safety_modules(makefile) == ["a/b.py", "c/_d.py"]
 
 
-# Safety modules without a file of their own yet, and where they are tested meanwhile:
-# an entry goes once its file exists (the test below says so).
-NOT_YET = {
-    "snowflake_server/_thrift/processor.py": "tests/server/test_thrift_protocol.py",
-}
-
-
 def files_named_for(module: str, tests: list[Path]) -> list[Path]:
     """The test files named for ``module``: ``test_<module>.py`` or
     ``test_<package>_<module>.py`` (``_thrift/protocol.py``: ``test_thrift_protocol.py``),
@@ -51,8 +44,5 @@ def test_every_safety_module_has_a_test_file_named_for_it() -> None:
     modules = safety_modules((ROOT / "Makefile").read_text(encoding="utf-8"))
     assert modules, "SAFETY_MODULES lists nothing"
     tests = sorted((ROOT / "tests").rglob("test_*.py"))
-    missing = [m for m in modules if not files_named_for(m, tests) and m not in NOT_YET]
+    missing = [m for m in modules if not files_named_for(m, tests)]
     assert not missing, "safety modules without a test_<module>.py: " + ", ".join(missing)
-    done = [m for m in NOT_YET if files_named_for(m, tests)]
-    assert not done, f"these have their test file now: take them out of NOT_YET: {done}"
-    assert set(NOT_YET) <= set(modules), "NOT_YET names a module that is no safety module"
