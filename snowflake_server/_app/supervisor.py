@@ -568,9 +568,9 @@ class Supervisor(Collector):
 
     def ready(self) -> tuple[str | None, dict[str, object]]:
         """Why the supervisor is not ready (None when it is), and the details its
-        ``/readyz`` shows. Ready when every child is (and we are not stopping), by each child's answer
-        of the latest supervision round (never asked here: this runs on the admin
-        endpoint's one thread, which answers ``/livez`` too); an answer older than
+        ``/readyz`` shows. Ready when every child is (and we are not stopping), by each
+        child's answer of the latest supervision round (never asked here: this runs on
+        the admin endpoint's one thread, which answers ``/livez`` too); an answer older than
         ``ANSWER_BOUND_S`` is none."""
         now = self._clock()
         unready: dict[str, str] = {}
