@@ -219,6 +219,11 @@ class Node:
         self.admin_address = ("", 0)
         self.http_address: tuple[str, int] | None = None
 
+    @property
+    def server(self) -> Server | None:
+        """The server of the node's listeners once :meth:`start` built it, else None."""
+        return self._server
+
     def start(self) -> None:
         """Build and open everything; on failure close what was opened and raise
         (``ConfigurationError``: bad settings or a port in use; ``StartupRefused``:

@@ -170,6 +170,8 @@ class Supervisor(Collector):
     """Runs ``settings.processes`` children; see the module docstring. ``origin`` says
     where the first worker id came from (see ``resolve_worker_id``). ``clock`` is
     monotonic seconds (the supervision loop's timing: restarts, bounds, answers' age).
+    ``rounds_pool`` is the threads a round's requests run on, one per request (the
+    caller's to shut down); by default :meth:`run` starts its own.
 
     As a collector it reports the restarts, by reason (exited, unresponsive, failed).
     """
@@ -181,6 +183,7 @@ class Supervisor(Collector):
         *,
         origin: WorkerIdOrigin | None = None,
         clock: Callable[[], float] = time.monotonic,
+        rounds_pool: ThreadPoolExecutor | None = None,
     ) -> None:
         self._settings = settings
         self._origin = configured_origin(settings) if origin is None else origin
@@ -194,7 +197,7 @@ class Supervisor(Collector):
         self._notifier = Notifier(os.environ)
         self.restarts = dict.fromkeys(RESTART_REASONS, 0)
         self._last_round: float | None = None  # the clock when a round last completed
-        self._watch_pool: ThreadPoolExecutor | None = None
+        self._watch_pool = rounds_pool
         self._metrics_pool: ThreadPoolExecutor | None = None
 
     def _child_settings(self, index: int, port: int, http_port: int) -> ServerSettings:
@@ -222,7 +225,11 @@ class Supervisor(Collector):
         # read as children not answering). One per request of a round: a request still
         # running is not asked again (see poll_children). The metrics have their own:
         # however slow they are, the rounds are not.
-        self._watch_pool = started_threads(len(_PATHS) * settings.processes, "supervise")
+        own = self._watch_pool is None
+        pool = self._watch_pool
+        if pool is None:
+            pool = started_threads(len(_PATHS) * settings.processes, "supervise")
+            self._watch_pool = pool
         try:
             self._metrics_pool = started_threads(settings.processes, "scrape")
             try:
@@ -230,7 +237,8 @@ class Supervisor(Collector):
             finally:
                 self._metrics_pool.shutdown(wait=False, cancel_futures=True)
         finally:
-            self._watch_pool.shutdown(wait=False, cancel_futures=True)
+            if own:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> int:
         settings = self._settings
@@ -248,14 +256,14 @@ class Supervisor(Collector):
             port = holders[0].getsockname()[1]
             http_port = holders[1].getsockname()[1] if len(holders) > 1 else settings.http_port
             # From the start: a SIGTERM while the processes start stops them cleanly.
-            on_signal(signal.SIGTERM, self._on_stop)
-            on_signal(signal.SIGINT, self._on_stop)
+            on_signal(signal.SIGTERM, self.stop)
+            on_signal(signal.SIGINT, self.stop)
             on_signal(signal.SIGHUP, lambda _name: self._reload())
             for index in range(settings.processes):
                 if self._stop.is_set():
                     break
                 child = Child(index, self._child_settings(index, port, http_port), self._origin)
-                self._children.append(child)
+                self.adopt(child)
                 try:
                     child.spawn(self._clock())
                 except OSError as e:  # out of memory or processes: nothing is unsafe
@@ -272,7 +280,7 @@ class Supervisor(Collector):
             registry.register(_ChildrenMetrics(self._children, self._clock))
             registry.register(self)
             admin = AdminServer(
-                registry, settings.admin, ready=self._ready, live=self.live, bound=admin_sock
+                registry, settings.admin, ready=self.ready, live=self.live, bound=admin_sock
             )
         except BaseException:
             admin_sock.close()
@@ -323,7 +331,14 @@ class Supervisor(Collector):
             return None
         return f"the supervision loop has not completed a round for {stalled:.1f} s"
 
-    def _on_stop(self, name: str) -> None:
+    def adopt(self, child: Child) -> None:
+        """Supervise ``child`` from the next round on, as :meth:`run` does each child it
+        starts (a child not started yet is started when its ``restart_at`` is due)."""
+        self._children.append(child)
+
+    def stop(self, name: str) -> None:
+        """Stop as SIGTERM (``name``) does: while starting, every process is stopped
+        and the start ends; while serving, the processes drain; again, they stop now."""
         if not self._serving.is_set():
             # Nothing to drain: each process ends its start-up waits and exits 0.
             log.info("received %s while starting: stopping the processes", name)
@@ -551,10 +566,11 @@ class Supervisor(Collector):
                           process.pid)  # fmt: skip
         return code
 
-    def _ready(self) -> tuple[str | None, dict[str, object]]:
-        """Ready when every child is (and we are not stopping), by each child's answer
-        of the latest supervision round (never asked here: this runs on the admin
-        endpoint's one thread, which answers ``/livez`` too); an answer older than
+    def ready(self) -> tuple[str | None, dict[str, object]]:
+        """Why the supervisor is not ready (None when it is), and the details its
+        ``/readyz`` shows. Ready when every child is (and we are not stopping), by each
+        child's answer of the latest supervision round (never asked here: this runs on
+        the admin endpoint's one thread, which answers ``/livez`` too); an answer older than
         ``ANSWER_BOUND_S`` is none."""
         now = self._clock()
         unready: dict[str, str] = {}

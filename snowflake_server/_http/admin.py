@@ -51,7 +51,7 @@ from .._serving.listeners import listen_socket
 from .parser import HttpError, Request, RequestParser
 from .responses import error_response, response
 
-__all__ = ["AdminServer", "Live", "Ready"]
+__all__ = ["AdminConnection", "AdminServer", "Live", "Ready"]
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class AdminServer(Collector):
         self.closed_full = 0  # closed to make room, or refused: max_connections were open
         self.closed_slow = 0  # no whole request, or its answer not taken, in time
         self.accept_pauses = 0  # out of file descriptors (or memory): accepting paused
-        self.open: dict[_AdminConnection, None] = {}  # oldest first; loop thread only
+        self.open: dict[AdminConnection, None] = {}  # oldest first; loop thread only
         if bound is None:
             bound = listen_socket(settings.host, settings.port, reuse_port=False)
         bound.listen(_BACKLOG)
@@ -184,12 +184,12 @@ class AdminServer(Collector):
                 continue
             pause = _PAUSE_FIRST_S
             try:
-                await loop.connect_accepted_socket(lambda: _AdminConnection(self), sock)
+                await loop.connect_accepted_socket(lambda: AdminConnection(self), sock)
             except OSError as e:
                 log.info("admin: dropping a connection: %s", e)
                 sock.close()
 
-    def admit(self, connection: _AdminConnection) -> bool:
+    def admit(self, connection: AdminConnection) -> bool:
         """Whether ``connection`` is served: room is made by closing the oldest one
         still sending its request; with none, it is closed (counted either way)."""
         if len(self.open) >= self.max_connections:
@@ -272,7 +272,7 @@ class AdminServer(Collector):
                      f"try {_ROUTES}\n".encode())  # fmt: skip
 
 
-class _AdminConnection(asyncio.Protocol):
+class AdminConnection(asyncio.Protocol):
     """One admin request: read (within the time limit), answered, closed."""
 
     def __init__(self, server: AdminServer) -> None:

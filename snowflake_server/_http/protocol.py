@@ -65,6 +65,12 @@ class HttpProtocol:
         self._repeat = b"\xff"  # the bytes of the last plain GET /v1/id answered
         self._repeat_query = ""
 
+    @property
+    def remembered(self) -> bytes | None:
+        """The bytes the fast path answers if they come again in one read (the last
+        plain ``GET /v1/id`` that came whole in one read), or None."""
+        return None if self._repeat == b"\xff" else self._repeat
+
     def fast(self, data: bytes) -> bytes | None:
         parser = self._parser
         if data != self._repeat or self._parsed or parser.mid_request or parser.error:

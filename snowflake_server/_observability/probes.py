@@ -149,6 +149,12 @@ class LoopWatch(Collector):
         self._ticks: tuple[_Tick, ...] = ()
         self._overloaded = False
 
+    @property
+    def ticks(self) -> int:
+        """How many ticks the watch holds now: those of the window, at most about
+        2 x window / interval however often the loop ticks."""
+        return len(self._ticks)
+
     def turned(self, late_s: float) -> None:
         """Called on the serving loop at each tick: how late the tick's timer fired
         (loop lag). The loop arms the next timer ``interval_s`` after this call."""

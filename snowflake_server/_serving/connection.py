@@ -158,6 +158,11 @@ class Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol ---------------------------------------------------------
 
+    @property
+    def protocol(self) -> Protocol | None:
+        """What serves this connection's requests, made once it is connected."""
+        return self._protocol
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         self._transport = transport

@@ -144,6 +144,12 @@ class Server:
             endpoint.sock.setblocking(False)
             metrics.set_limit(endpoint.name, endpoint.max_connections)
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop serving the connections while :meth:`serve_forever` runs
+        (work handed to it from another thread: ``call_soon_threadsafe``), else None."""
+        return self._loop
+
     def listen(self) -> None:
         """Start accepting connections (into the backlog until :meth:`serve_forever`
         serves them): call it once the node can serve. Raises ``ConfigurationError``

@@ -535,8 +535,8 @@ class FreezingProxy:
     nor closes connections) the moment a connection reaches it, then forwards."""
 
     def __init__(self, target: int, zk: ZooKeeper) -> None:
-        assert zk._process is not None
-        self._zk_pid = zk._process.pid
+        assert zk.pid is not None
+        self._zk_pid = zk.pid
         self._target = target
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]

@@ -117,7 +117,8 @@ def test_a_child_that_cannot_be_scraped_reads_as_not_ready() -> None:
     now = [100.0]
     supervisor = Supervisor(settings, clock=lambda: now[0])
     alive, dead = Child(0, settings, origin), Child(1, settings, origin)
-    supervisor._children[:] = [alive, dead]
+    supervisor.adopt(alive)
+    supervisor.adopt(dead)
     dead.metrics = f"127.0.0.1:{free_port()}"  # nothing answers there
     child = start_server("--worker-id", "3")
     try:
@@ -369,7 +370,7 @@ def test_a_restarted_process_not_ready_in_time_gets_sigterm_then_sigkill(
     supervisor = Supervisor(settings, clock=lambda: now[0])
     supervisor.lifecycle.serving()
     child = Child(0, settings, configured_origin(settings))
-    supervisor._children.append(child)
+    supervisor.adopt(child)
     limit = child.start_limit
     assert limit is not None
     err = Stderr(capfd)
@@ -496,13 +497,14 @@ def test_a_dripping_answer_is_cut_at_its_deadline_and_never_asked_twice_at_once(
     took = time.monotonic() - took
     assert took < 1.5, f"a 1 s request took {took:.1f} s: the deadline is per read"
     now = [100.0]
-    supervisor = Supervisor(settings, clock=lambda: now[0])
+    pool = started_threads(2 * 2, "supervise")  # as run()'s for two
+    supervisor = Supervisor(settings, clock=lambda: now[0], rounds_pool=pool)
     slow, healthy = Child(0, settings, origin), Child(1, settings, origin)
-    supervisor._children[:] = [slow, healthy]
+    supervisor.adopt(slow)
+    supervisor.adopt(healthy)
     good = start_server("--worker-id", "4")
     slow.process, slow.metrics = sleeper(), drip.address
     healthy.process, healthy.metrics = sleeper(), f"127.0.0.1:{good.metrics_port}"
-    supervisor._watch_pool = started_threads(2 * 2, "supervise")  # as run()'s for two
     # Counted where the requests are made: the drip's own count lags behind a request
     # the supervisor already gave up on (its thread sees the close a moment later).
     asking: dict[str, int] = {}
@@ -525,14 +527,14 @@ def test_a_dripping_answer_is_cut_at_its_deadline_and_never_asked_twice_at_once(
     try:
         for _ in range(4):
             started = time.monotonic()
-            answers = supervisor._poll(now[0])
+            supervisor.supervise_once()
             assert time.monotonic() - started < 2.0
-            assert answers[1]["/livez"][0] == 200, "the healthy child answers every round"
-            assert answers[0]["/livez"][0] == NO_ANSWER
+            assert healthy.answers["/livez"][0] == 200, "the healthy child answers every round"
+            assert slow.answers["/livez"][0] == NO_ANSWER
             now[0] += 0.5
         assert most and max(most.values()) == 1, f"requests asked at once: {most}"
     finally:
-        supervisor._watch_pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown(wait=False, cancel_futures=True)
         drip.close()
         good.stop()
         slow.reap()
@@ -566,7 +568,7 @@ def test_a_stop_between_the_check_and_a_spawn_still_stops_that_process(
     spawn = Child.spawn
 
     def stopped_meanwhile(child: Child, now: float = 0.0) -> None:
-        supervisor._on_stop("SIGTERM")  # as the signal thread would, just now
+        supervisor.stop("SIGTERM")  # as the signal thread would, just now
         spawn(child, now)
 
     monkeypatch.setattr(Child, "spawn", stopped_meanwhile)

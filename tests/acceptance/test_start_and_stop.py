@@ -1,4 +1,4 @@
-"""A clean stop in every phase of start-up, and failures found before any wait.
+"""A clean stop in every phase of start-up and under load, and failures found before any wait.
 
 Real server processes and real signals. A SIGTERM during a start-up wait ends the
 wait at once: exit 0, nothing left behind, and no mark written by a node that had
@@ -12,11 +12,15 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from kazoo.client import KazooClient
+from thriftpy2.transport import TTransportException
 
+from snowflake_server._ids.clocks import wall_clock_ms
 from tests.support.endpoints import free_port
 from tests.support.processes import Spawned, child_pids, spawned, start_server
 from tests.support.waiting import wait_until
@@ -173,3 +177,55 @@ def test_a_stop_during_the_peer_checks_ends_them(
                 peer.accept()[0].close()
             assert stopped(server) == 0, server.log()
     assert zk.get_children(f"{zk_path}/nodes/0") == ["5"], "only the peer's registration"
+
+
+# -- a stop under load and failures before any wait (moved from tests/serving) --------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_within_2_seconds_and_lets_calls_finish(sig: int) -> None:
+    server = start_server()
+    idle = server.raw_client()
+    idle.get_id("idle")
+    busy = server.raw_client()
+    results: list[int] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            try:
+                results.extend(busy.get_ids("busy", 4096))
+            except (TTransportException, OSError) as e:
+                failures.append(e)
+                return
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    wait_until(lambda: len(results) >= 4096 * 3, "three batches served")
+    started = time.monotonic()
+    server.process.send_signal(sig)
+    code = server.process.wait(5)
+    elapsed = time.monotonic() - started
+    stop.set()
+    thread.join(5)
+    server.stop()
+    assert code == 0, server.log()
+    assert elapsed < 2.0
+    # Every reply that arrived was whole: ids are unique and increasing.
+    assert len(results) % 4096 == 0
+    assert results == sorted(set(results))
+
+
+def test_busy_port_is_a_clear_start_up_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(AssertionError, match="cannot listen"):
+            start_server("--port", str(port))
+
+
+def test_epoch_in_the_future_is_a_clear_start_up_error() -> None:
+    with pytest.raises(AssertionError, match="in the future"):
+        start_server("--epoch", str(wall_clock_ms() + 3_600_000))

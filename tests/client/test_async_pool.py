@@ -32,7 +32,7 @@ from snowflake_thrift_client import (
     client_context,
     decompose,
 )
-from snowflake_thrift_client._async_client import AsyncConnection, _NeedMore
+from snowflake_thrift_client._async_client import NeedMore, decode_reply
 from snowflake_thrift_client._transports import Transport
 from thriftpy2.protocol import TBinaryProtocol
 from thriftpy2.thrift import TApplicationException, TMessageType
@@ -153,19 +153,15 @@ def reply_bytes(transport: Transport, seqid: int, ids: list[int]) -> bytes:
 def test_a_reply_is_decoded_only_once_it_is_whole(transport: Transport) -> None:
     # Every prefix must ask for more: thriftpy2's Cython memory buffer would rather read
     # past its end and decode garbage.
-    connection = AsyncConnection(
-        "h", 1, agent="a", transport=transport, timeout=1, connect_timeout=1, ssl_context=None
-    )
-    connection._request("get_ids", ("a", 100))
     ids = list(range(2**60, 2**60 + 100))
-    whole = reply_bytes(transport, connection._seqid, ids)
+    whole = reply_bytes(transport, 1, ids)  # a connection's first call is #1
     for end in range(len(whole)):
-        with pytest.raises(_NeedMore):
-            connection._reply("get_ids", whole[:end])
-    assert connection._reply("get_ids", whole) == ids
-    late = reply_bytes(transport, connection._seqid - 1, ids)  # the answer to an earlier call
+        with pytest.raises(NeedMore):
+            decode_reply("get_ids", 1, whole[:end], transport)
+    assert decode_reply("get_ids", 1, whole, transport) == ids
+    late = reply_bytes(transport, 0, ids)  # the answer to an earlier call
     with pytest.raises(TApplicationException, match="a reply to get_ids #0, not to get_ids #1"):
-        connection._reply("get_ids", late)
+        decode_reply("get_ids", 1, late, transport)
 
 
 # -- failover ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from snowflake_server._http.protocol import HttpProtocol
 from snowflake_server._observability.metrics import NO_METHOD
 from tests.support.serving import Driven, one_turn
 
@@ -144,7 +145,8 @@ def test_a_repeated_get_of_an_id_is_answered_by_the_fast_path_and_nothing_else_i
     conn = http.connection
     request = _get("/v1/id?agent=fast")
     conn.data_received(request)  # the whole way: parsed, routed, remembered
-    assert conn._protocol._repeat == request  # type: ignore[union-attr]
+    protocol = conn.protocol
+    assert isinstance(protocol, HttpProtocol) and protocol.remembered == request
     conn.data_received(request)  # the same bytes again: the fast path
     conn.data_received(request)
     first, *again = _responses(http.written())
@@ -180,7 +182,8 @@ def test_only_a_plain_bodiless_get_of_an_id_is_remembered_for_the_fast_path(
 ) -> None:
     http.connection.data_received(first)
     assert [a.status for a in _responses(http.written())] == [200]
-    assert http.connection._protocol._repeat != first  # type: ignore[union-attr]
+    protocol = http.connection.protocol
+    assert isinstance(protocol, HttpProtocol) and protocol.remembered != first
 
 
 def test_bytes_that_end_a_request_begun_earlier_are_never_remembered(http: Driven) -> None:

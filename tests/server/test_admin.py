@@ -15,8 +15,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from snowflake_server._config.settings import AdminSettings
 from snowflake_server._errors import ConfigurationError
-from snowflake_server._http import admin as admin_module
-from snowflake_server._http.admin import AdminServer
+from snowflake_server._http.admin import AdminConnection, AdminServer
 from tests.support.endpoints import read_to_close
 from tests.support.processes import parse_metrics
 from tests.support.waiting import wait_until
@@ -31,6 +30,12 @@ class _State:
     def __init__(self) -> None:
         self.ready: str | None = None
         self.live: str | None = None
+        self.broken: Exception | None = None  # raised by the readiness check: a bug
+
+    def readiness(self) -> tuple[str | None, dict[str, object]]:
+        if self.broken is not None:
+            raise self.broken
+        return self.ready, {"worker_id": 4}
 
 
 @pytest.fixture
@@ -41,7 +46,7 @@ def admin() -> Iterator[tuple[AdminServer, _State]]:
     server = AdminServer(
         registry,
         AdminSettings("127.0.0.1", 0, 10),
-        ready=lambda: (state.ready, {"worker_id": 4}),
+        ready=state.readiness,
         live=lambda: state.live,
     )
     server.start()
@@ -181,10 +186,8 @@ def test_a_request_not_sent_in_time_is_closed_and_counted() -> None:
         server.stop()
 
 
-def test_requests_that_cannot_be_answered_are_told_why(
-    admin: tuple[AdminServer, _State], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    server, _ = admin
+def test_requests_that_cannot_be_answered_are_told_why(admin: tuple[AdminServer, _State]) -> None:
+    server, state = admin
     assert _exchange(server, b"NONSENSE\r\n\r\n").startswith(b"HTTP/1.1 400 ")
     trickled = b"GET /livez HTTP/1.1\r\nHost: x\r\nX: " + b"x" * 9000
     huge = b"GET /livez HTTP/1.1\r\nX: " + b"x" * 9000
@@ -194,10 +197,7 @@ def test_requests_that_cannot_be_answered_are_told_why(
             conn.sendall(trickled[at : at + 1000])
         assert read_to_close(conn).startswith(b"HTTP/1.1 431 ")
 
-    def broken() -> tuple[str | None, dict[str, object]]:
-        raise RuntimeError("a bug")
-
-    monkeypatch.setattr(server, "_ready", broken)
+    state.broken = RuntimeError("a bug")
     assert request(server, "/readyz")[0] == 500
     assert request(server, "/livez")[0] == 200  # the next request is served as ever
 
@@ -238,10 +238,10 @@ def test_head_gets_the_headers_only(admin: tuple[AdminServer, _State]) -> None:
 def test_with_every_connection_being_answered_a_newcomer_is_closed() -> None:
     server = _server(max_connections=1)  # never started: admissions called by hand
     try:
-        answering = admin_module._AdminConnection(server)
+        answering = AdminConnection(server)
         answering.waiting = False
         server.open[answering] = None
-        assert not server.admit(admin_module._AdminConnection(server))
+        assert not server.admit(AdminConnection(server))
         assert server.closed_full == 1
     finally:
         server.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -339,13 +340,12 @@ def test_the_id_count_is_exact_through_batches_errors_and_sealing() -> None:
 
 def test_a_batch_cut_short_counts_only_what_it_returned() -> None:
     clock = FakeClock(T0)
-    gen = make(clock, max_backwards_ms=5)
-    gen.next_ids(4000)
 
     def jump_back(seconds: float) -> None:
         clock.now -= 60_000  # the clock steps back while the batch waits for the next ms
 
-    gen._sleep = jump_back
+    gen = IdGenerator(GeneratorSettings(max_backwards_ms=5), clock=clock, sleep=jump_back)
+    gen.next_ids(4000)
     with pytest.raises(ClockMovedBackwardsError):
         gen.next_ids(200)  # 96 fit this ms; the rest would need the next
     assert gen.counters().ids_generated == 4000
@@ -543,13 +543,32 @@ def test_a_thread_that_must_not_wait_gets_would_block_for_a_step_back_and_counts
 
 def test_a_thread_that_must_not_wait_never_waits_for_the_lock() -> None:
     clock = FakeClock(T0)
-    gen = make(clock)
+    sleeping, woken = threading.Event(), threading.Event()
+
+    def held(seconds: float) -> None:
+        sleeping.set()
+        woken.wait(PROMPTLY_S)
+
+    gen = IdGenerator(GeneratorSettings(), clock=clock, sleep=held)
     gen.next_id()
     before = gen.counters()
-    with gen._lock:  # held by a call that sleeps out a clock step on another thread
+    clock.now -= 2
+    holder = threading.Thread(target=gen.next_id)  # sleeps out the step, holding the lock
+    holder.start()
+    try:
+        assert sleeping.wait(PROMPTLY_S), "the holder did not sleep out the step"
+        clock.now += 3  # the clock is fine again: only the holder stands in the way
         assert isinstance(_on_a_thread_that_must_not_wait(gen.next_id), WouldBlock)
         assert isinstance(_on_a_thread_that_must_not_wait(lambda: gen.next_ids(2)), WouldBlock)
-    assert gen.counters() == before
+    finally:
+        woken.set()
+        holder.join(PROMPTLY_S)
+    # Only the holder's id and its wait were counted.
+    assert gen.counters() == replace(
+        before,
+        ids_generated=before.ids_generated + 1,
+        clock_backwards_waited=before.clock_backwards_waited + 1,
+    )
 
 
 def test_a_thread_that_must_not_wait_waits_out_one_ms_in_place() -> None:

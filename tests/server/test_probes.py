@@ -212,7 +212,7 @@ def test_a_timer_firing_early_counts_as_on_time_and_too_many_ticks_are_bounded()
         clock.advance(0.001)
         watch.turned(-0.001)
     assert gauges(watch) == (0, 0, 0)
-    assert len(watch._ticks) <= 2 * WINDOW_S / INTERVAL_S + 2
+    assert watch.ticks <= 2 * WINDOW_S / INTERVAL_S + 2
 
 
 @pytest.mark.parametrize(
@@ -246,11 +246,11 @@ def test_a_stalled_serving_loop_makes_a_real_node_unready_but_not_dead(tmp_path:
     with InProcessServer(ServerSettings(), tmp_path) as server:
         wait_until(lambda: server.http_get("/readyz")[0] == 200, "ready", 10)
         assert overloaded_gauge(server) == 0
-        node_server = server.node._server
+        node_server = server.node.server
         assert node_server is not None
         # Ready once started; the loop ticks once the serving thread runs it.
-        wait_until(lambda: server.node.loop_watch._ticks, "the serving loop's first tick", 10)
-        loop = node_server._loop
+        wait_until(lambda: server.node.loop_watch.ticks, "the serving loop's first tick", 10)
+        loop = node_server.loop
         assert loop is not None
         released = threading.Event()
         stalled = time.monotonic()

@@ -152,6 +152,22 @@ class SlowStore(MarkStore):
             raise self.fail
 
 
+class LateStore(SlowStore):
+    """A :class:`SlowStore` whose next write (once ``hold_next``) is held before it
+    takes the store's lock: a renewal that read its value and then lost the CPU."""
+
+    def __init__(self, values: int = 1) -> None:
+        super().__init__(values)
+        self.hold_next = False
+
+    def _target(self, mark_ms: int) -> int:
+        if self.hold_next:
+            self.hold_next = False
+            self.entered.set()
+            self.go_on.wait(HOLD_S)
+        return mark_ms
+
+
 def started(
     clock: FakeClock, store: SlowStore, *, wait_s: float = 0.1, layout: Layout | None = None
 ) -> tuple[IdGenerator, Reservation]:
@@ -312,8 +328,10 @@ def test_a_renewal_of_the_old_value_done_after_a_switch_is_not_the_new_ceiling()
     try:
         generator.next_id()
         store.hold = True
-        clock.now += 10  # a renewal then has a later mark to write
-        reservation._wake.set()
+        clock.now += 10
+        # A call past the ceiling asks the renewal thread to write at once (and gives
+        # up after wait_s: the write is held).
+        run_in_thread(lambda: reservation.reserve(T0 + 1001))
         assert store.entered.wait(PROMPTLY_S)
         clock.now -= 60_010  # a rollback: the next call moves to value 1 and writes it
         caller, outcome = run_in_thread(generator.next_id)
@@ -335,13 +353,22 @@ def test_a_renewal_of_the_old_value_done_after_a_switch_is_not_the_new_ceiling()
 
 def test_a_renewal_of_the_old_value_landing_after_a_move_is_no_ceiling_of_the_new() -> None:
     clock = FakeClock(T0)
-    store = SlowStore(values=4)
-    reservation = Reservation([(store, 1000)], clock, every_s=3600)
-    assert reservation.reserve(T0) == T0 + 1000
-    clock.now = T0 - 60_000
-    assert reservation.switch(1, T0 - 60_000) == T0 - 59_000
-    # What the renewal thread does with a value it read before the move:
-    reservation._write_all(T0 + 500, 0)
-    assert store.marks[0] == T0 + 1500, "value 0's mark still moves on: safe"
-    clock.now = T0 - 58_000  # past value 1's mark, long before value 0's
-    assert "no high-water mark covers" in (reservation.failing or ""), "value 1 is not covered"
+    store = LateStore(values=4)
+    generator, reservation = started(clock, store)
+    try:
+        assert store.marks[0] == T0 + 1000
+        store.hold_next = True
+        asking, _ = run_in_thread(lambda: reservation.reserve(T0 + 1001))
+        assert store.entered.wait(PROMPTLY_S), "the renewal read value 0, not yet written"
+        asking.join(PROMPTLY_S)
+        clock.now = T0 - 60_000
+        assert reservation.switch(1, T0 - 60_000) == T0 - 59_000
+        store.go_on.set()  # the renewal of value 0 lands after the move
+        wait_until(lambda: store.marks[0] == T0 + 2001, "the renewal's write")
+        assert store.marks[0] == T0 + 2001, "value 0's mark still moves on: safe"
+        clock.now = T0 - 58_000  # past value 1's mark, long before value 0's
+        failing = reservation.failing or ""
+        assert "no high-water mark covers" in failing, "value 1 is not covered"
+    finally:
+        store.go_on.set()
+        reservation.finish(generator)

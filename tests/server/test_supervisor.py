@@ -148,7 +148,7 @@ def test_a_broken_answer_is_no_answer_not_the_end_of_supervision(answer: bytes) 
     supervisor = Supervisor(settings, clock=lambda: now[0])
     supervisor.lifecycle.serving()
     child = Child(0, settings, configured_origin(settings))
-    supervisor._children.append(child)
+    supervisor.adopt(child)
     admin = BrokenAdmin(answer)
     child.process, child.metrics = sleeper(), admin.address
     try:
@@ -156,7 +156,7 @@ def test_a_broken_answer_is_no_answer_not_the_end_of_supervision(answer: bytes) 
         assert status == NO_ANSWER and why
         supervisor.supervise_once()  # a round, not an exception
         assert child.failed_polls == 1 and child.alive()
-        assert supervisor._ready()[0] == f"process 0: {child.answers['/readyz'][1]}"
+        assert supervisor.ready()[0] == f"process 0: {child.answers['/readyz'][1]}"
     finally:
         admin.close()
         child.reap()
@@ -170,7 +170,8 @@ def test_a_process_that_cannot_be_forked_is_down_and_retried_while_the_others_ru
     now = [100.0]
     supervisor = Supervisor(settings, clock=lambda: now[0])
     failing, running = Child(0, settings, origin), Child(1, settings, origin)
-    supervisor._children[:] = [failing, running]
+    supervisor.adopt(failing)
+    supervisor.adopt(running)
     running.process, running.started_at = sleeper(), now[0]
     failing.restart_at = now[0]
     # exec fails as a fork would (ENOMEM, EAGAIN): Popen raises OSError.
@@ -193,7 +194,7 @@ def test_signalling_the_processes_while_one_is_reaped() -> None:
     settings = load_settings(["--worker-id", "3"], {})
     supervisor = Supervisor(settings)
     child = Child(0, settings, configured_origin(settings))
-    supervisor._children.append(child)
+    supervisor.adopt(child)
 
     class ReapedMeanwhile(subprocess.Popen[str]):
         def poll(self) -> int | None:
@@ -204,7 +205,7 @@ def test_signalling_the_processes_while_one_is_reaped() -> None:
     process = ReapedMeanwhile(["sleep", "60"], text=True)
     child.process = process
     try:
-        supervisor._signal_children(signal.SIGTERM)
+        supervisor.stop("SIGTERM")  # while starting: every process gets SIGTERM
         assert process.wait(5) == -signal.SIGTERM
     finally:
         process.kill()
@@ -217,13 +218,13 @@ def test_the_readiness_said_is_the_latest_rounds_and_a_stale_one_is_no_answer() 
     supervisor = Supervisor(settings, clock=lambda: now[0])
     supervisor.lifecycle.serving()
     child = Child(0, settings, configured_origin(settings))
-    supervisor._children.append(child)
+    supervisor.adopt(child)
     child.answers = {"/readyz": (200, "{}", now[0])}
     now[0] += 1.0
-    why, details = supervisor._ready()
+    why, details = supervisor.ready()
     assert why is None and details["checked_s_ago"] == {"0": 1.0}
     now[0] += ANSWER_BOUND_S
-    why, details = supervisor._ready()
+    why, details = supervisor.ready()
     assert why == f"process 0: no answer for {ANSWER_BOUND_S + 1:.1f} s"
     assert details["processes"] == {"0": "unavailable"}
 
@@ -239,29 +240,37 @@ def test_the_readiness_said_is_the_latest_rounds_and_a_stale_one_is_no_answer() 
 def test_a_process_is_killed_fast_only_when_it_certainly_does_not_work(
     stopped: bool, status: int, bound: float
 ) -> None:
-    settings = load_settings(["--worker-id", "3"], {})
-    now = [100.0]
-    supervisor = Supervisor(settings, clock=lambda: now[0])
-    child = Child(0, settings, configured_origin(settings))
-    child.process, child.metrics = sleeper(), "127.0.0.1:1"
+    supervisor, child, now = supervised_one()
+    # A port nothing listens on is no answer at once; a 503 is the child's own word.
+    admin = None if status == NO_ANSWER else answering(status, "the serving loop is stuck")
+    child.process, child.metrics = sleeper(), "127.0.0.1:1" if admin is None else admin.address
     process = child.process
     if stopped:
         os.kill(process.pid, signal.SIGSTOP)
         wait_until(lambda: alive_state(process.pid) == "T", "the process stopped")
-    answer = (status, '{"reason": "did not answer within 1 s"}')
     try:
         while now[0] - 100.0 < bound - 0.5:
-            supervisor._supervise(child, answer, now[0])
+            supervisor.supervise_once()
+            assert child.answers["/livez"][0] == status
             assert child.process is process, f"killed after {now[0] - 100.0:.1f} s"
             now[0] += 0.5
         now[0] = 100.0 + bound
-        supervisor._supervise(child, answer, now[0])
+        supervisor.supervise_once()
         assert child.process is None and process.returncode == -signal.SIGKILL
         assert supervisor.restarts["unresponsive"] == 1
     finally:
+        if admin is not None:
+            admin.close()
         child.reap()
         process.kill()
         process.wait()
+
+
+def answering(status: int, reason: str) -> BrokenAdmin:
+    """An admin port whose every answer is ``status`` with ``reason``, as a child's."""
+    body = json.dumps({"reason": reason}).encode()
+    head = b"HTTP/1.0 %d X\r\nContent-Length: %d\r\n\r\n" % (status, len(body))
+    return BrokenAdmin(head + body)
 
 
 def alive_state(pid: int) -> str:
@@ -301,7 +310,7 @@ def supervised_one() -> tuple[Supervisor, Child, list[float]]:
     supervisor = Supervisor(settings, clock=lambda: now[0])
     supervisor.lifecycle.serving()
     child = Child(0, settings, configured_origin(settings))
-    supervisor._children.append(child)
+    supervisor.adopt(child)
     return supervisor, child, now
 
 
@@ -310,14 +319,14 @@ def test_a_killed_process_that_has_not_exited_blocks_no_round_and_gets_no_twin(
 ) -> None:
     supervisor, child, now = supervised_one()
     process = Withheld()
-    child.process, child.metrics, child.started_at = process, "127.0.0.1:1", now[0]
+    wedged = answering(503, "the serving loop has not turned for 31 s")
+    child.process, child.metrics, child.started_at = process, wedged.address, now[0]
     # A restart runs `true`, which ignores its arguments: a stand-in that starts.
     monkeypatch.setattr(sys, "executable", shutil.which("true"))
-    wedged = (503, '{"reason": "the serving loop has not turned for 31 s"}')
     try:
         process.withhold = "stuck"
         while now[0] <= 100.0 + UNRESPONSIVE_S:
-            supervisor._supervise(child, wedged, now[0])
+            supervisor.supervise_once()
             now[0] += 0.5
         assert supervisor.restarts["unresponsive"] == 1, "killed"
         assert os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT) is not None
@@ -326,7 +335,7 @@ def test_a_killed_process_that_has_not_exited_blocks_no_round_and_gets_no_twin(
             supervisor.supervise_once()
             assert child.process is process, "a second process while the first lives"
         assert supervisor.live() is None, "the rounds go on"
-        why, _ = supervisor._ready()
+        why, _ = supervisor.ready()
         assert why is not None and "not exited yet" in why
         process.withhold = None  # its I/O completed: it dies
         now[0] += 0.5
@@ -337,6 +346,7 @@ def test_a_killed_process_that_has_not_exited_blocks_no_round_and_gets_no_twin(
         supervisor.supervise_once()
         assert child.process is not None and child.process is not process, "restarted"
     finally:
+        wedged.close()
         process.withhold = None
         child.reap()
         process.kill()
@@ -398,8 +408,8 @@ def test_the_rounds_ask_no_metrics_so_a_slow_render_never_fails_a_livez() -> Non
     child.process, child.metrics = sleeper(), admin.address
     try:
         for _ in range(3):
-            answers = supervisor._poll(now[0])
-            assert answers[0]["/livez"][0] == 200, answers
+            supervisor.supervise_once()
+            assert child.answers["/livez"][0] == 200, child.answers
             now[0] += 0.5
         assert "/metrics" not in admin.asked
         supervisor.scrape_children()  # the metrics, asked apart from the rounds

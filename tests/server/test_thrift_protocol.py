@@ -85,8 +85,8 @@ def test_a_reserved_connection_serves_the_peer_checks(reserved: Driven) -> None:
 def test_a_reserved_connection_gets_unavailable_for_ids_and_stays_open(reserved: Driven) -> None:
     conn = reserved.connection
     get_id = _call("get_id", 1, useragent="joiner")
-    assert conn._protocol is not None
-    assert conn._protocol.fast(get_id) is None  # no fast path: it would issue an id
+    assert conn.protocol is not None
+    assert conn.protocol.fast(get_id) is None  # no fast path: it would issue an id
     conn.data_received(get_id)
     conn.data_received(_call("get_ids", 2, useragent="joiner", count=5))
     replies = reserved.replies()
@@ -116,6 +116,14 @@ def _call(method: str, seqid: int, **args: object) -> bytes:
 def _protocol(*, framed: bool = True, limit: int = 1024, clock: FakeClock | None = None) -> (
     tuple[ThriftProtocol, IdGenerator]
 ):  # fmt: skip
+    protocol, _, generator = _parts(framed=framed, limit=limit, clock=clock)
+    return protocol, generator
+
+
+def _parts(*, framed: bool = True, limit: int = 1024, clock: FakeClock | None = None) -> (
+    tuple[ThriftProtocol, Processor, IdGenerator]
+):  # fmt: skip
+    """A protocol, the processor it answers with, and their generator."""
     clock = clock or FakeClock(T0)
     generator = IdGenerator(
         GeneratorSettings(max_backwards_ms=1000), clock=clock, sleep=clock.sleep
@@ -123,7 +131,7 @@ def _protocol(*, framed: bool = True, limit: int = 1024, clock: FakeClock | None
     metrics = ServiceMetrics(generator, service_methods(), max_agents=8)
     stats = metrics.open_connection()
     processor = Processor(SnowflakeHandler(generator, metrics, stats, clock), stats)
-    return ThriftProtocol(processor, framed=framed, limit=limit), generator
+    return ThriftProtocol(processor, framed=framed, limit=limit), processor, generator
 
 
 def _refusal(protocol: ThriftProtocol, buf: bytes) -> Refused:
@@ -163,7 +171,7 @@ def test_what_a_request_may_not_be(framed: bool, data: bytes, kind: str, why: st
 
 
 def test_a_buffered_message_is_found_whole_however_it_arrives() -> None:
-    protocol, _ = _protocol(framed=False)
+    protocol, processor, _ = _parts(framed=False)
     call = encode_call("get_worker_id", framed=False)
     buf = bytearray()
     assert protocol.next_request(buf, 0) == (None, 0)
@@ -175,7 +183,7 @@ def test_a_buffered_message_is_found_whole_however_it_arrives() -> None:
     buf.append(call[-1])
     assert protocol.next_request(buf, 0) == (call, len(call))
     reply = protocol.reply(call)
-    assert reply == protocol._processor.process_message(call)
+    assert reply == processor.process_message(call)
 
 
 def test_the_fast_path_reuses_a_connections_last_request_and_steps_aside_to_wait() -> None:
@@ -192,9 +200,9 @@ def test_the_fast_path_reuses_a_connections_last_request_and_steps_aside_to_wait
         assert protocol.fast(second) is None
         with pytest.raises(WouldBlock):
             protocol.reply(second)
-        buffered, _ = _protocol(framed=False, clock=clock)
+        buffered, buffered_generator = _protocol(framed=False, clock=clock)
         message = encode_call("get_id", framed=False, useragent="waits")
-        buffered._processor.handler.get_id("first")  # the buffered one's generator too
+        buffered_generator.next_id()  # the buffered one's generator too
         clock.now -= 100
         with pytest.raises(WouldBlock):
             buffered.reply(message)

@@ -4,6 +4,7 @@ waits for real time to pass."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,12 +32,19 @@ class MemoryMarks(MarkStore):
         super().__init__(mark_ms, marks, clock_sequence)
         self.stored: list[int] = []
         self.records: list[tuple[tuple[int, ...], int]] = []
+        self.refusing: Exception | None = None  # raised by each write while set
+        # Called as each write lands: the worker writes its state file first, this after.
+        self.on_store: Callable[[], object] | None = None
 
     @property
     def where(self) -> str:
         return "memory"
 
     def _store(self, marks: tuple[int, ...], clock_sequence: int) -> None:
+        if self.refusing is not None:
+            raise self.refusing
+        if self.on_store is not None:
+            self.on_store()
         self.stored.append(marks[clock_sequence])
         self.records.append((marks, clock_sequence))
 
@@ -329,19 +337,18 @@ def state_record(tmp_path: Path, worker_id: int = 3) -> dict[str, object]:
 
 def test_a_switch_is_on_disk_before_its_first_id_and_the_close_is_exact(tmp_path: Path) -> None:
     clock = FakeClock(T0)
-    worker = open_worker(tmp_path, clock, datacenter_id_bits=3, clock_sequence_bits=2)
+    # The second store is written after the state file: what is on disk then is what the
+    # switch wrote before any id used the new value.
+    remote = MemoryMarks(-1, (-1, -1, -1, -1))
+    worker = open_worker(
+        tmp_path, clock, remote=(remote, 1000), datacenter_id_bits=3, clock_sequence_bits=2
+    )
     layout = worker.generator.settings.layout
     try:
         worker.generator.next_id()
         clock.now -= 60_000
         seen: list[dict[str, object]] = []
-        original = worker.state._store
-
-        def watched(marks: tuple[int, ...], clock_sequence: int) -> None:
-            original(marks, clock_sequence)
-            seen.append(state_record(tmp_path))
-
-        worker.state._store = watched  # type: ignore[method-assign]
+        remote.on_store = lambda: seen.append(state_record(tmp_path))
         id_ = worker.generator.next_id()
         assert layout.decompose(id_).clock_sequence == 1
         assert seen, "the switch wrote the state file"
@@ -423,17 +430,14 @@ def test_a_failed_switch_stays_on_the_old_value_and_renews_it(tmp_path: Path) ->
         clock.now -= 60_000
         failing = ReservationError("the remote store is down")
 
-        def refuse(marks: tuple[int, ...], clock_sequence: int) -> None:
-            raise failing
-
-        store._store = refuse  # type: ignore[method-assign]
+        store.refusing = failing
         with pytest.raises(ReservationError, match="the remote store is down"):
             worker.generator.next_id()
         assert worker.generator.clock_sequence == 0
         assert worker.reservation.clock_sequence == 0
         assert "the remote store is down" in (worker.unavailable_reason() or ""), "/readyz"
     finally:
-        store._store = MemoryMarks._store.__get__(store)  # type: ignore[method-assign]
+        store.refusing = None
         worker.close()
     assert store.records[-1] == ((T0, -1, -1, -1), 0), "the exact mark of the value in use"
 

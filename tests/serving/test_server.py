@@ -1,13 +1,12 @@
-"""The serving core's server (snowflake_server/_serving/server.py): the real server
-process end to end over real sockets, and the core alone in this process: its ports,
-their slots and reserve, its loop's ticks, its stop."""
+"""The serving core's server (snowflake_server/_serving/server.py) in this process, over
+real sockets: a whole node's (InProcessServer), and the core alone: its ports, their
+slots and reserve, its loop's ticks, its stop. A server process end to end is in
+tests/acceptance (test_server_process.py, test_start_and_stop.py)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import socket
 import ssl
 import threading
@@ -25,14 +24,12 @@ from prometheus_client import generate_latest
 from snowflake_thrift_client._idl import snowflake_thrift
 from snowflake_thrift_client._transports import open_client
 from thriftpy2.thrift import TApplicationException
-from thriftpy2.transport import TTransportException
 
 from snowflake_server import (
     ConfigurationError,
     GeneratorSettings,
     IdGenerator,
     ServerSettings,
-    decompose,
 )
 from snowflake_server._http.protocol import HttpProtocol
 from snowflake_server._ids.clocks import wall_clock_ms
@@ -46,36 +43,11 @@ from snowflake_server._thrift.protocol import thrift_protocols
 from tests.support.endpoints import encode_call, read_to_close
 from tests.support.fakes import FakeClock
 from tests.support.inprocess import InProcessServer
-from tests.support.processes import DATA, failures, parse_metrics, start_server, twitter_idl
+from tests.support.processes import DATA, failures, parse_metrics, twitter_idl
 from tests.support.waiting import wait_until
 
 thrift = snowflake_thrift()
 OPEN = 'snowflake_connections_open{protocol="thrift"}'
-
-
-@pytest.mark.parametrize("transport", ["framed", "buffered"])
-def test_every_method_over_each_transport(transport: Any) -> None:
-    server = start_server("--worker-id", "9", "--datacenter-id", "4", transport=transport)
-    try:
-        client = server.raw_client()
-        before = wall_clock_ms()
-        id_ = client.get_id("infra-dm")
-        parts = decompose(id_)
-        assert (parts.worker_id, parts.datacenter_id) == (9, 4)
-        assert before <= parts.timestamp_ms <= wall_clock_ms()
-        assert (client.get_worker_id(), client.get_datacenter_id()) == (9, 4)
-        assert abs(client.get_timestamp() - wall_clock_ms()) < 1000
-        ids = client.get_ids("infra-dm", 4096)
-        assert len(ids) == 4096 and ids == sorted(ids) and ids[0] > id_
-        layout = client.get_layout()
-        assert (layout.epoch_ms, layout.timestamp_bits, layout.sequence_bits) == (
-            1288834974657,
-            41,
-            12,
-        )
-        assert (layout.datacenter_id, layout.worker_id) == (4, 9)
-    finally:
-        assert server.stop() == 0
 
 
 def test_declared_errors_keep_the_connection_usable(server: InProcessServer) -> None:
@@ -205,66 +177,6 @@ def test_internal_errors_reach_the_client_as_application_errors(
         counts = parse_metrics(server.metrics())
         assert failures(counts, "internal_error") == 1
     assert "internal error in get_id" in caplog.text
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_stops_within_2_seconds_and_lets_calls_finish(sig: int) -> None:
-    server = start_server()
-    idle = server.raw_client()
-    idle.get_id("idle")
-    busy = server.raw_client()
-    results: list[int] = []
-    failures: list[BaseException] = []
-    stop = threading.Event()
-
-    def hammer() -> None:
-        while not stop.is_set():
-            try:
-                results.extend(busy.get_ids("busy", 4096))
-            except (TTransportException, OSError) as e:
-                failures.append(e)
-                return
-
-    thread = threading.Thread(target=hammer)
-    thread.start()
-    wait_until(lambda: len(results) >= 4096 * 3, "three batches served")
-    started = time.monotonic()
-    server.process.send_signal(sig)
-    code = server.process.wait(5)
-    elapsed = time.monotonic() - started
-    stop.set()
-    thread.join(5)
-    server.stop()
-    assert code == 0, server.log()
-    assert elapsed < 2.0
-    # Every reply that arrived was whole: ids are unique and increasing.
-    assert len(results) % 4096 == 0
-    assert results == sorted(set(results))
-
-
-def test_busy_port_is_a_clear_start_up_error() -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        with pytest.raises(AssertionError, match="cannot listen"):
-            start_server("--port", str(port))
-
-
-def test_epoch_in_the_future_is_a_clear_start_up_error() -> None:
-    with pytest.raises(AssertionError, match="in the future"):
-        start_server("--epoch", str(wall_clock_ms() + 3_600_000))
-
-
-def test_server_runs_as_the_console_script(tmp_path: Any) -> None:
-    import shutil
-    import subprocess
-    import sys
-
-    script = shutil.which("snowflake-server", path=os.path.dirname(sys.executable))
-    assert script, "the console script is installed"
-    out = subprocess.run([script, "--help"], capture_output=True, text=True, check=True).stdout
-    assert "SNOWFLAKE_WORKER_ID" in out and "--metrics-port" in out
 
 
 class _Bare:

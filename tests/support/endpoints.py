@@ -8,7 +8,7 @@ import struct
 import urllib.error
 import urllib.request
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 from snowflake_thrift_client import SnowflakeClient
 from snowflake_thrift_client._idl import snowflake_thrift
@@ -19,8 +19,10 @@ from snowflake_thrift_client._transports import (
     server_socket,
 )
 from thriftpy2.protocol import TBinaryProtocol
-from thriftpy2.thrift import TClient
+from thriftpy2.thrift import TClient, TMessageType
 from thriftpy2.transport import TMemoryBuffer
+
+_Client = TypeVar("_Client")
 
 
 class Endpoints:
@@ -36,15 +38,16 @@ class Endpoints:
     _clients: list[Any]
 
     def client(self, **kwargs: Any) -> SnowflakeClient:
-        client = SnowflakeClient(self.host, self.port, transport=self.transport, **kwargs)
+        return self.keep(SnowflakeClient(self.host, self.port, transport=self.transport, **kwargs))
+
+    def keep(self, client: _Client) -> _Client:
+        """``client``, closed by :meth:`close_clients` with those made here."""
         self._clients.append(client)
         return client
 
     def raw_client(self, service: Any = None, timeout_s: float = 5.0) -> Any:
         """A bare thriftpy2 client on one connection that never reconnects."""
-        client = open_client(self.host, self.port, self.transport, timeout_s, service)
-        self._clients.append(client)
-        return client
+        return self.keep(open_client(self.host, self.port, self.transport, timeout_s, service))
 
     def http_get(self, path: str) -> tuple[int, str]:
         url = f"http://{self.host}:{self.metrics_port}{path}"
@@ -84,7 +87,9 @@ def encode_call(method: str, *, framed: bool = True, **args: object) -> bytes:
     4-byte length in front)."""
     buffer: Any = TMemoryBuffer()  # type: ignore[no-untyped-call]  # thriftpy2 is untyped
     protocol: Any = TBinaryProtocol(buffer)  # type: ignore[no-untyped-call]
-    TClient(snowflake_thrift().Snowflake, protocol)._send(method, **args)
+    protocol.write_message_begin(method, TMessageType.CALL, 0)
+    protocol.write_struct(getattr(snowflake_thrift().Snowflake, f"{method}_args")(**args))
+    protocol.write_message_end()
     body = bytes(buffer.getvalue())
     return struct.pack("!i", len(body)) + body if framed else body
 
@@ -107,8 +112,7 @@ def tls_client(server: Endpoints, context: ssl.SSLContext) -> Any:
         raw.close()
         raise
     client = TClient(snowflake_thrift().Snowflake, binary_protocol(server_socket(sock), "framed"))
-    server._clients.append(client)  # closed when the server is stopped
-    return client
+    return server.keep(client)  # closed when the server is stopped
 
 
 def read_to_close(sock: socket.socket) -> bytes:

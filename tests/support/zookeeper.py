@@ -62,6 +62,11 @@ class ZooKeeper:
     def client(self) -> KazooClient:
         return KazooClient(hosts=self.hosts, timeout=10.0)
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (started, not stopped), else None."""
+        return None if self._process is None else self._process.pid
+
     def node_flags(self, zk_path: str, session_timeout: str = "3") -> tuple[str, ...]:
         """A server's flags to join this ZooKeeper's cluster under ``zk_path``, on
         loopback, failing fast (a 5 s connect timeout)."""

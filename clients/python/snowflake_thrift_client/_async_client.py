@@ -42,7 +42,7 @@ from ._client import _declared_classes, call_failed
 from ._idl import request_error, snowflake_thrift
 from ._transports import Transport, binary_protocol
 
-__all__ = ["AsyncConnection"]
+__all__ = ["AsyncConnection", "NeedMore", "decode_reply"]
 
 _T = TypeVar("_T")
 
@@ -62,7 +62,7 @@ else:
         return await asyncio.wait_for(awaitable, seconds)
 
 
-class _NeedMore(Exception):
+class NeedMore(Exception):
     """The bytes received so far end before the reply does."""
 
 
@@ -77,7 +77,7 @@ class _Memory:
 
     def read(self, size: int) -> bytes:
         if self._at >= len(self._received):
-            raise _NeedMore
+            raise NeedMore
         chunk = self._received[self._at : self._at + size]
         self._at += len(chunk)
         return chunk
@@ -87,6 +87,32 @@ class _Memory:
 
     def flush(self) -> None:
         pass
+
+
+def decode_reply(method: str, seqid: int, received: bytes, transport: Transport) -> Any:
+    """What the reply to call #``seqid`` of ``method`` in ``received`` returns. Raises
+    :class:`NeedMore` while ``received`` ends before the reply does, the declared error
+    the reply carries, or ``TApplicationException`` (a server's, or a reply to another
+    call: ``BAD_SEQUENCE_ID``)."""
+    protocol: Any = binary_protocol(cast(Any, _Memory(received)), transport)
+    name, kind, got = protocol.read_message_begin()
+    if (name, got) != (method, seqid):
+        raise TApplicationException(
+            TApplicationException.BAD_SEQUENCE_ID,
+            f"a reply to {name} #{got}, not to {method} #{seqid}",
+        )
+    if kind == TMessageType.EXCEPTION:
+        error = TApplicationException()
+        protocol.read_struct(error)
+        raise error
+    result = getattr(snowflake_thrift().Snowflake, f"{method}_result")()
+    protocol.read_struct(result)
+    if result.success is not None:
+        return result.success
+    for declared in vars(result).values():
+        if declared is not None:
+            raise declared
+    raise TApplicationException(TApplicationException.MISSING_RESULT, f"{method} returned nothing")
 
 
 class AsyncConnection:
@@ -192,7 +218,7 @@ class AsyncConnection:
             received += chunk
             try:
                 return self._reply(method, received)
-            except _NeedMore:  # decoded again from the start once more has come
+            except NeedMore:  # decoded again from the start once more has come
                 continue
 
     def _request(self, method: str, args: tuple[object, ...]) -> bytes:
@@ -206,27 +232,7 @@ class AsyncConnection:
         return b"".join(memory.written)
 
     def _reply(self, method: str, received: bytes) -> Any:
-        protocol: Any = binary_protocol(cast(Any, _Memory(received)), self.transport)
-        name, kind, seqid = protocol.read_message_begin()
-        if (name, seqid) != (method, self._seqid):
-            raise TApplicationException(
-                TApplicationException.BAD_SEQUENCE_ID,
-                f"a reply to {name} #{seqid}, not to {method} #{self._seqid}",
-            )
-        if kind == TMessageType.EXCEPTION:
-            error = TApplicationException()
-            protocol.read_struct(error)
-            raise error
-        result = getattr(self._service, f"{method}_result")()
-        protocol.read_struct(result)
-        if result.success is not None:
-            return result.success
-        for declared in vars(result).values():
-            if declared is not None:
-                raise declared
-        raise TApplicationException(
-            TApplicationException.MISSING_RESULT, f"{method} returned nothing"
-        )
+        return decode_reply(method, self._seqid, received, self.transport)
 
     def close(self) -> None:
         """Abort the connection, if open: the loop closes its socket at its next turn
