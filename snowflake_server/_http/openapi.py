@@ -15,7 +15,26 @@ from .._version import __version__
 
 __all__ = ["openapi_document"]
 
-_ID = {"type": "string", "pattern": "^[0-9]{1,19}$", "description": "An id, as a decimal string."}
+
+def _decimal_at_most(limit: int) -> str:
+    """A pattern of the decimal strings of 0..``limit`` (leading zeros allowed): a schema
+    that says only "19 digits" lets a client send ids past 2^63 - 1, which are refused."""
+    digits = str(limit)
+    n = len(digits)
+    shorter = f"[0-9]{{1,{n - 1}}}"
+    under = [
+        f"{digits[:i]}[0-{int(d) - 1}][0-9]{{{n - i - 1}}}"
+        for i, d in enumerate(digits)
+        if d != "0"
+    ]
+    return "^(?:" + "|".join([shorter, *under, digits]) + ")$"
+
+
+_ID = {
+    "type": "string",
+    "pattern": _decimal_at_most(2**63 - 1),
+    "description": "An id, as a decimal string (0 .. 2^63 - 1).",
+}
 _AGENT = {
     "name": "agent",
     "in": "query",

@@ -4,6 +4,7 @@ keep-alive, TLS, and the OpenAPI document checked by schemathesis."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import ssl
 import urllib.error
@@ -15,7 +16,8 @@ from typing import Any
 import pytest
 import schemathesis
 import trustme
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from snowflake_server import ServerSettings, decompose
 from snowflake_server._http.openapi import openapi_document
@@ -230,3 +232,24 @@ def test_a_request_repeated_on_one_connection_is_served_alike(http: Http, clock:
     assert counts['snowflake_requests_total{method="get_id",outcome="ok"}'] == 3
     assert counts['snowflake_clock_backwards_total{action="refused"}'] == 1
     assert failures(counts, "invalid_system_clock") == 1
+
+
+_ID_PATTERN = re.compile(
+    json.loads(openapi_document())["paths"]["/v1/decode/{id}"]["get"]["parameters"][0]["schema"][
+        "pattern"
+    ]
+)
+_LARGEST_ID = 2**63 - 1
+
+
+@given(st.integers(min_value=0, max_value=10**19 - 1), st.booleans())
+def test_the_documented_id_is_exactly_a_63_bit_id(n: int, padded: bool) -> None:
+    """A schema of "up to 19 digits" let clients (schemathesis among them) send ids past
+    2^63 - 1, which the server refuses with 400: the document now says what it accepts."""
+    text = str(n).zfill(19) if padded else str(n)
+    assert bool(_ID_PATTERN.match(text)) == (n <= _LARGEST_ID)
+
+
+@pytest.mark.parametrize("n", [0, 9, _LARGEST_ID, _LARGEST_ID - 1, _LARGEST_ID + 1, 10**19 - 1])
+def test_the_documented_id_at_its_edges(n: int) -> None:
+    assert bool(_ID_PATTERN.match(str(n))) == (n <= _LARGEST_ID)
