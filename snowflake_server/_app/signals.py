@@ -22,7 +22,7 @@ def on_signal(signum: signal.Signals, action: Callable[[str], None]) -> None:
     signal thread (started by the first call), in the order the signals came.
 
     Never in the handler itself: the handler interrupts the main thread anywhere, maybe
-    holding a lock (logging's, the readiness phase's) that the action needs. Nor on a
+    holding a lock (logging's, the lifecycle's) that the action needs. Nor on a
     thread started by the handler: on a host out of threads that start raised in
     whatever the main thread was running (a client's call) and the SIGTERM was lost."""
     if not _signal_thread:

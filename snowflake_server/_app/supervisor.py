@@ -239,6 +239,7 @@ class Supervisor(Collector):
         finally:
             if own:
                 pool.shutdown(wait=False, cancel_futures=True)
+                self._watch_pool = None  # a later run() starts its own again
 
     def _run(self) -> int:
         settings = self._settings
@@ -297,10 +298,11 @@ class Supervisor(Collector):
         self.lifecycle.serving()
         self._serving.set()
         metrics_host, metrics_port = admin.address
-        log.info("%d processes serving on %s:%d", settings.processes, settings.host, port)
-        http = (settings.http_host, http_port) if settings.serving.http else None
-        print(ready_line((settings.host, port), (metrics_host, metrics_port), http), flush=True)
-        self._notifier.ready(f"{settings.processes} processes serving")
+        if not self._stop.is_set():  # a stop while starting: no ready line, no READY
+            log.info("%d processes serving on %s:%d", settings.processes, settings.host, port)
+            http = (settings.http_host, http_port) if settings.serving.http else None
+            print(ready_line((settings.host, port), (metrics_host, metrics_port), http), flush=True)
+            self._notifier.ready(f"{settings.processes} processes serving")
         try:
             self._watch()
         finally:
@@ -333,7 +335,11 @@ class Supervisor(Collector):
 
     def adopt(self, child: Child) -> None:
         """Supervise ``child`` from the next round on, as :meth:`run` does each child it
-        starts (a child not started yet is started when its ``restart_at`` is due)."""
+        starts (a child not started yet is started when its ``restart_at`` is due).
+        ``ValueError`` for a child whose index is supervised already: two processes of one
+        index would serve one worker id."""
+        if any(known.index == child.index for known in self._children):
+            raise ValueError(f"process {child.index} is supervised already")
         self._children.append(child)
 
     def stop(self, name: str) -> None:
@@ -342,6 +348,8 @@ class Supervisor(Collector):
         if not self._serving.is_set():
             # Nothing to drain: each process ends its start-up waits and exits 0.
             log.info("received %s while starting: stopping the processes", name)
+            # Never ready from here on: a start that finishes meanwhile must not say so.
+            self.lifecycle.draining()
             self._stop.set()
             self._signal_children(signal.SIGTERM)
             return

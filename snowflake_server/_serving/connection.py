@@ -498,7 +498,9 @@ class Connection(asyncio.Protocol):
         """One look at the idle and request deadlines: the connection's timer makes it
         every quarter of the shorter one (a test makes each look itself)."""
         # A flag per read and a count of requests served, looked at: no clock read per call.
-        self._timer = None
+        if self._timer is not None:
+            self._timer.cancel()  # one timer chain, whoever looks (cancelling its own: harmless)
+            self._timer = None
         if self._finished:
             return
         listener = self._listener

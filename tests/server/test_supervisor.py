@@ -42,6 +42,7 @@ from snowflake_server._errors import (
     StartupInterrupted,
     StartupRefused,
 )
+from snowflake_server._observability.lifecycle import Phase
 from tests.support.children import FakeAdmin, sleeper
 from tests.support.waiting import wait_until
 
@@ -410,6 +411,7 @@ def test_the_rounds_ask_no_metrics_so_a_slow_render_never_fails_a_livez() -> Non
         for _ in range(3):
             supervisor.supervise_once()
             assert child.answers["/livez"][0] == 200, child.answers
+            assert child.answers["/livez"][2] == now[0], "this round's answer, not the last"
             now[0] += 0.5
         assert "/metrics" not in admin.asked
         supervisor.scrape_children()  # the metrics, asked apart from the rounds
@@ -417,3 +419,20 @@ def test_the_rounds_ask_no_metrics_so_a_slow_render_never_fails_a_livez() -> Non
     finally:
         admin.close()
         child.reap()
+
+
+def test_a_stop_while_starting_is_never_undone_by_the_start_finishing() -> None:
+    """A SIGTERM before the children were all up: the start that finishes after it
+    marked the supervisor serving and /readyz answered 200 while its children stopped."""
+    settings = load_settings(["--worker-id", "3"], {})
+    supervisor = Supervisor(settings)
+    supervisor.stop("SIGTERM")
+    supervisor.lifecycle.serving()  # what _run does once its children answered
+    assert supervisor.lifecycle.phase is Phase.DRAINING
+    assert supervisor.ready() is not None
+
+
+def test_a_second_child_of_one_index_is_refused() -> None:
+    supervisor, child, _ = supervised_one()
+    with pytest.raises(ValueError, match="process 0 is supervised already"):
+        supervisor.adopt(Child(0, child.settings, child.origin))
