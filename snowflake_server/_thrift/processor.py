@@ -142,7 +142,10 @@ class Processor:
         }
 
     def process_message(self, message: bytes) -> bytes:
-        """The reply to the one whole binary-protocol call in ``message``, unframed."""
+        """The reply to the one whole binary-protocol call in ``message``, unframed.
+
+        Whole, as the scanner has checked it: thriftpy2's Cython decoder reads past the end
+        of a truncated message rather than failing (found by the processor's tests)."""
         out: Any = TCyMemoryBuffer()  # thriftpy2 is untyped
         self.process(
             TCyBinaryProtocol(TCyMemoryBuffer(message)),  # type: ignore[no-untyped-call]
