@@ -1,8 +1,8 @@
 """The Kubernetes manifests in deploy/kubernetes/: valid for a current Kubernetes, and true
 to the server they run (its options, ports, probes, drain) and to the image (its user).
 
-Each variant (standalone/, cluster/) is a Service, a PodDisruptionBudget and a
-StatefulSet, applied on its own.
+Each variant (standalone/, cluster/) is a Service, a PodDisruptionBudget, a
+StatefulSet and a NetworkPolicy, applied on its own.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class Variant:
     statefulset: dict[str, Any]
     service: dict[str, Any]
     budget: dict[str, Any]
+    policy: dict[str, Any]
 
     @property
     def pod(self) -> dict[str, Any]:
@@ -112,10 +113,11 @@ def variant(request: pytest.FixtureRequest) -> Variant:
     for path in sorted((MANIFESTS / request.param).glob("*.yaml")):
         for resource in _read(path):
             by_kind.setdefault(resource["kind"], []).append(resource)
-    assert sorted(by_kind) == ["PodDisruptionBudget", "Service", "StatefulSet"], by_kind.keys()
+    kinds = ["NetworkPolicy", "PodDisruptionBudget", "Service", "StatefulSet"]
+    assert sorted(by_kind) == kinds, by_kind.keys()
     assert all(len(resources) == 1 for resources in by_kind.values())
     return Variant(request.param, by_kind["StatefulSet"][0], by_kind["Service"][0],
-                   by_kind["PodDisruptionBudget"][0])  # fmt: skip
+                   by_kind["PodDisruptionBudget"][0], by_kind["NetworkPolicy"][0])  # fmt: skip
 
 
 def test_variables_are_options_the_server_reads(variant: Variant) -> None:
@@ -255,3 +257,45 @@ def test_service_and_budget_select_the_pods(variant: Variant) -> None:
     assert service["spec"]["selector"] == selector
     assert variant.budget["spec"]["selector"]["matchLabels"] == selector
     assert variant.budget["spec"]["maxUnavailable"] == 1
+
+
+ZOOKEEPER_PORTS = {2181, 2281}  # its client port, and its secureClientPort (--zk-tls-ca)
+DNS_PORT = 53
+
+
+def _ports(rule: dict[str, Any], variant: Variant) -> set[int]:
+    return {variant.container_port(p["port"]) if isinstance(p["port"], str) else p["port"]
+            for p in rule["ports"]}  # fmt: skip
+
+
+def test_the_network_policy_lets_in_and_out_only_what_the_node_needs(variant: Variant) -> None:
+    """docs/security.md's hardened deployment: clients and peers to the Thrift port only,
+    the monitoring namespace alone to the admin port; out, only ZooKeeper, the peers'
+    Thrift port and DNS in cluster mode, nothing standalone. Every rule names its ports
+    (a rule without ports opens them all)."""
+    policy = variant.policy["spec"]
+    selector = variant.statefulset["spec"]["selector"]["matchLabels"]
+    assert policy["podSelector"]["matchLabels"] == selector
+    assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"], "both ways closed by default"
+    thrift, metrics = variant.container_port("thrift"), variant.container_port("metrics")
+    ingress = {frozenset(_ports(rule, variant)): rule["from"] for rule in policy["ingress"]}
+    assert set(ingress) == {frozenset({thrift}), frozenset({metrics})}
+    (monitoring,) = ingress[frozenset({metrics})]
+    assert monitoring == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    }, "metrics from the monitoring namespace only"
+    clients = ingress[frozenset({thrift})]
+    assert {"namespaceSelector": {},
+            "podSelector": {"matchLabels": {"snowflake.io/client": "true"}}} in clients  # fmt: skip
+    peers = {"podSelector": {"matchLabels": selector}}
+    egress = policy["egress"]
+    if variant.name == "standalone":
+        assert peers not in clients and egress == [], "a standalone node dials no one"
+        return
+    assert peers in clients, "the peers' start-up checks"
+    out = {frozenset(_ports(rule, variant)): rule["to"] for rule in egress}
+    assert set(out) == {frozenset(ZOOKEEPER_PORTS), frozenset({thrift}), frozenset({DNS_PORT})}
+    assert out[frozenset({thrift})] == [peers]
+    assert out[frozenset(ZOOKEEPER_PORTS)] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "zookeeper"}}}
+    ]
