@@ -340,8 +340,8 @@ def test_rotation_to_a_new_identity_without_stopping_the_fleet(
     assert snowflake([*command[:-1], final]) == 0
     only_new = [ACL(Permissions.ALL, Id("sasl", "snowflake2")), WORLD_READ]
     assert all(acl == only_new for acl in tree(clients(), zk_path).values())
-    stale = member(hosts=sasl_zk.hosts, worker_id=2, zk_auth="sasl",
-                   zk_credentials_file=credentials(tmp_path, "snowflake", USERS["snowflake"]))  # fmt: skip
+    retired = credentials(tmp_path, "snowflake", USERS["snowflake"])
+    stale = member(hosts=sasl_zk.hosts, worker_id=2, zk_auth="sasl", zk_credentials_file=retired)
     with pytest.raises(ConfigurationError, match="does not let this node, sasl:snowflake "):
         stale.cluster.connect()
 
