@@ -8,7 +8,7 @@ nodes are ``Cluster``s in this process (``test_membership``'s ``member``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,12 +143,13 @@ def test_others_read_but_cannot_set_delete_or_create_any_znode_of_the_service(
     paths.remove(zk_path)  # "/"'s child: deleting it is "/"'s right (it is not empty)
     for path in paths:
         intruder.get(path)  # world may read
-        for attempt, call in (
+        attempts: tuple[tuple[str, Callable[[str], object]], ...] = (
             ("set", lambda p: intruder.set(p, b"0")),
             ("delete", lambda p: intruder.delete(p, recursive=False)),
             ("create under", lambda p: intruder.create(f"{p}/intruder", b"")),
             ("set ACL of", lambda p: intruder.set_acls(p, [ACL(31, Id("world", "anyone"))])),
-        ):
+        )
+        for attempt, call in attempts:
             with pytest.raises(NoAuthError):
                 call(path)
             refused.append(f"{who}: {attempt} {path}: NoAuthError")
