@@ -2,6 +2,8 @@
 
     snowflake get [--server HOST:PORT ...] [--count N] [--agent A] [--json]
     snowflake decode [ID ... | -] [--json]
+    snowflake zk-acl --zookeeper HOSTS --zk-auth {sasl,digest} --zk-credentials-file FILE
+                     [--zk-path PATH] [--zk-read-acl {world,service}] [--dry-run]
 
 ``--json`` prints ids as strings: they exceed JavaScript's 2^53. ``decode`` with no ID,
 or with ``-``, reads ids from standard input; it decodes every id it can and exits 2
@@ -95,6 +97,28 @@ def _build_parser() -> argparse.ArgumentParser:
         "ids", nargs="*", metavar="ID", help="an id; - or none at all: read standard input"
     )
     decode.add_argument("--json", action="store_true", help="print a JSON array of objects")
+
+    acl = commands.add_parser(
+        "zk-acl", help="give the service's ZooKeeper znodes the service's ACL",
+        description="Give the znode --zk-path and every znode under it the service's ACL: "
+        "only the identity of --zk-credentials-file (and its also = identities) may write, "
+        "read as --zk-read-acl says. Run it once every node has credentials; it prints "
+        "what it changes, and changes nothing that is right already.",
+    )  # fmt: skip
+    acl.add_argument("--zookeeper", required=True, metavar="HOSTS", help="ZooKeeper ensemble")
+    acl.add_argument("--zk-path", default="/snowflake-servers",
+                     help="ZooKeeper path of the cluster (default /snowflake-servers)")  # fmt: skip
+    acl.add_argument("--zk-auth", required=True, choices=("sasl", "digest"),
+                     help="how to authenticate, as the nodes do")  # fmt: skip
+    acl.add_argument("--zk-credentials-file", required=True, metavar="FILE",
+                     help="the service's credentials (chmod 600), as the nodes have "
+                     "them")  # fmt: skip
+    acl.add_argument("--zk-read-acl", choices=("world", "service"), default="world",
+                     help="who may read the znodes (default world)")  # fmt: skip
+    acl.add_argument("--dry-run", action="store_true", help="print the changes, make none")
+    acl.add_argument("--timeout", type=_seconds, default=10.0,
+                     help="seconds to connect, and to read and change the ACLs "
+                     "(default 10)")  # fmt: skip
     defaults = ServerSettings()
     for option in OPTIONS:
         if option.name in _LAYOUT_OPTIONS:
@@ -194,6 +218,40 @@ def _get_from(args: argparse.Namespace, servers: list[tuple[str, int]] | Discove
     return 0
 
 
+def _zk_acl(args: argparse.Namespace) -> int:
+    # Imported here: get and decode need no kazoo.
+    from kazoo.client import KazooClient
+    from kazoo.exceptions import KazooException
+    from kazoo.handlers.threading import KazooTimeoutError
+    from snowflake_thrift_client._zkauth import load_credentials
+
+    from ._cluster.access import check_credentials, lock_tree
+    from ._cluster.zk import client_options, describe_zk_error, service_acl
+    from ._config.settings import ZooKeeperAccess
+    from ._errors import StartupDeferred
+
+    access = ZooKeeperAccess(args.zk_auth, args.zk_credentials_file, args.zk_read_acl)
+    acl = service_acl(access, load_credentials(access.credentials_file))
+    client = KazooClient(hosts=args.zookeeper, timeout=args.timeout, **client_options(access))
+    try:
+        client.start(timeout=args.timeout)
+        check_credentials(client, access, args.zk_path, args.timeout)
+        changes = lock_tree(client, args.zk_path, acl, args.timeout, dry_run=args.dry_run)
+    except (KazooException, KazooTimeoutError, StartupDeferred) as e:
+        why = str(e) if isinstance(e, StartupDeferred) else describe_zk_error(e)
+        print(f"snowflake zk-acl: error: {why}", file=sys.stderr)
+        return 1
+    finally:
+        client.stop()
+        client.close()
+    verb = "would set" if args.dry_run else "set"
+    for path, old, new in changes:
+        print(f"{verb} {path}: {old} -> {new}")
+    done = "would change" if args.dry_run else "changed"
+    print(f"{done} {len(changes)} znodes under {args.zk_path}; the others had the service's ACL")
+    return 0
+
+
 def _decode(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.ids.count(STDIN) > 1:
         parser.error("give - once: standard input can be read only once")
@@ -278,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "get":
             return _get(args, _servers(args, parser))
+        if args.command == "zk-acl":
+            return _zk_acl(args)
         return _decode(args, parser)
     except ConfigurationError as e:
         print(f"snowflake {args.command}: error: {e}", file=sys.stderr)

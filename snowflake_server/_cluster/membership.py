@@ -45,6 +45,7 @@ from typing import Any, Protocol
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import KazooException
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.states import KeeperState
 from kazoo.retry import KazooRetry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -61,13 +62,14 @@ from .._ids.clocks import boot_clock
 from .._observability.metrics import counter_by
 from .._state.reservation import MarkStore
 from .._state.worker import Worker
+from .access import check_access, credentials_refused
 from .gate import SessionGate
 from .layout_record import LayoutRecord, Stage
 from .lease import Lease
 from .peers import check_peers
 from .session import GrantedTimeout, watch_granted_timeout
 from .slot import WorkerSlot
-from .zk import describe_zk_error
+from .zk import client_options, describe_zk_error
 from .zkmarks import ZK_MARK_AHEAD_MS, MarkOfAnotherLayout, ZkMarkStore, restore_marks
 
 __all__ = ["Cluster", "OpenWorker", "advertised_address"]
@@ -212,6 +214,9 @@ class Cluster(Collector):
                 f"{self._settings.zk_connect_timeout:g} s (--zk-connect-timeout); is it running "
                 "and is --zookeeper right?"
             )
+        check_access(
+            self._client, self._settings.access, self._settings.zk_path, self._wait
+        )  # fmt: skip
 
     def _start_client(self) -> Any:
         client = self._client_factory(
@@ -221,6 +226,7 @@ class Cluster(Collector):
             # meanwhile); a command that meets a dropped connection waits for it.
             connection_retry=KazooRetry(max_tries=-1, delay=0.1, max_delay=1.0),
             command_retry=KazooRetry(max_tries=5, delay=0.1, max_delay=1.0),
+            **client_options(self._settings.access),
         )
         self.granted = watch_granted_timeout(client, self._timeout)
         client.add_listener(self._on_state)
@@ -229,9 +235,12 @@ class Cluster(Collector):
         connected = client.start_async()
         deadline = boot_clock() + self._settings.zk_connect_timeout
         while not connected.wait(_CONNECT_POLL_S):
-            if self._interrupt.is_set() or boot_clock() > deadline:
+            refused = client.client_state == KeeperState.AUTH_FAILED
+            if refused or self._interrupt.is_set() or boot_clock() > deadline:
                 client.stop()
                 client.close()
+                if refused:  # never passes by itself: not "try again"
+                    raise credentials_refused(self._settings.access)
                 return None
         return client
 

@@ -26,7 +26,10 @@ from kazoo.exceptions import (
 )
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry, RetryFailedError
+from kazoo.security import ACL, Id, Permissions, make_digest_acl_credential
+from snowflake_thrift_client._zkauth import ZooKeeperCredentials, kazoo_auth, load_credentials
 
+from .._config.settings import ZooKeeperAccess
 from .._errors import StartupDeferred
 from .._ids.clocks import pause
 
@@ -34,8 +37,11 @@ __all__ = [
     "OP_TIMEOUT_S",
     "ZooKeeperSilent",
     "children",
+    "client_options",
     "describe_zk_error",
     "numeric_order",
+    "service_acl",
+    "service_ids",
     "session_id",
     "zk_call",
 ]
@@ -129,3 +135,40 @@ def children(client: Any, path: str, what: str, timeout_s: float = 10.0) -> list
         return numeric_order(names)
     except NoNodeError:
         return []
+
+
+def client_options(access: ZooKeeperAccess) -> dict[str, Any]:
+    """``KazooClient``'s keyword arguments besides hosts, timeout and retries: how it
+    authenticates (credentials read from ``access.credentials_file`` now, never logged)
+    and the ACL of every znode it creates (``default_acl``: kazoo gives it to ``create``
+    and to each parent ``ensure_path`` and ``makepath`` make). ``ConfigurationError``
+    if the credentials file cannot be used."""
+    if not access.authenticated:
+        return {}
+    credentials = load_credentials(access.credentials_file)
+    options = kazoo_auth(access.auth, credentials)
+    options["default_acl"] = service_acl(access, credentials)
+    return options
+
+
+def service_ids(access: ZooKeeperAccess, credentials: ZooKeeperCredentials) -> tuple[Id, ...]:
+    """The ACL ids of the service: this node's own first, then those the credentials
+    file trusts as the same service (``also``, during a rotation)."""
+    if access.auth == "sasl":
+        own = Id("sasl", credentials.user)
+    else:
+        own = Id("digest", make_digest_acl_credential(credentials.user, credentials.password))
+    also = [Id(*each.split(":", 1)) for each in credentials.also]
+    return (own, *[i for i in also if i != own])
+
+
+def service_acl(access: ZooKeeperAccess, credentials: ZooKeeperCredentials) -> list[ACL]:
+    """The ACL of the service's znodes: all rights for its identities, reading for
+    anyone with ``read_acl`` world; anyone may do anything with ``open_acl`` (a
+    migration: nodes without credentials must keep writing)."""
+    if access.open_acl:
+        return [ACL(Permissions.ALL, Id("world", "anyone"))]
+    acl = [ACL(Permissions.ALL, each) for each in service_ids(access, credentials)]
+    if access.read_acl == "world":
+        acl.append(ACL(Permissions.READ, Id("world", "anyone")))
+    return acl

@@ -259,6 +259,22 @@ OPTIONS: tuple[Option, ...] = (
            "SECONDS"),
     Option("zk_connect_timeout", _number,
            "At start, refuse if ZooKeeper cannot be reached within this time.", "SECONDS"),
+    Option("zk_auth", str,
+           "Authenticate to ZooKeeper: none; sasl (DIGEST-MD5, a user of the ensemble's "
+           "JAAS file); digest. With sasl or digest every znode the service creates lets "
+           "only the service's identity write it, and a node refuses to start when its "
+           "credentials are refused or existing znodes let others write.",
+           "{none,sasl,digest}"),
+    Option("zk_credentials_file", str,
+           "File of the ZooKeeper credentials (user = ..., password = ...; chmod 600: one "
+           "open to group or others is refused); see docs/operations.md.", "FILE"),
+    Option("zk_read_acl", str,
+           "Who may read the service's znodes: world (discovery clients without "
+           "credentials) or service (only the service's identities).", "{world,service}"),
+    Option("zk_open_acl", _bool,
+           "Migration to ZooKeeper ACLs only: authenticate, but create znodes anyone may "
+           "write and accept such ones, so nodes without credentials keep working; drop it "
+           "once snowflake zk-acl has locked the tree."),
     Option("max_connections", _integer,
            "Thrift connections served at once; further ones are closed at once and "
            "counted (a few more are kept for joining nodes' peer checks).", "N"),
@@ -302,7 +318,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("clock & state", ("max_backwards_ms", "state_dir", "max_startup_wait",
                        "discard_corrupt_state", "first_start_wait", "host_lock_scope")),
     ("cluster", ("zookeeper", "zk_path", "advertise_host", "advertise_port", "max_peer_skew",
-                 "skip_sanity_checks", "zk_session_timeout", "zk_connect_timeout")),
+                 "skip_sanity_checks", "zk_session_timeout", "zk_connect_timeout",
+                 "zk_auth", "zk_credentials_file", "zk_read_acl", "zk_open_acl")),
     ("security", ("tls_cert", "tls_key", "tls_client_ca", "audit_log", "audit_queue")),
     ("limits", ("max_connections", "http_max_connections", "max_frame_size", "max_batch",
                 "max_agents")),

@@ -36,6 +36,7 @@ __all__ = [
     "ServerSettings",
     "ServingSettings",
     "WorkerSettings",
+    "ZooKeeperAccess",
 ]
 
 AUTO_WORKER_ID = -1
@@ -103,6 +104,32 @@ class WorkerSettings:
         )
 
 
+ZK_AUTHS = ("none", "sasl", "digest")
+ZK_READ_ACLS = ("world", "service")
+
+
+@dataclass(frozen=True, slots=True)
+class ZooKeeperAccess:
+    """Who this node is to ZooKeeper, and what the znodes it creates let others do.
+
+    ``auth``: ``none`` (anonymous; anyone who reaches ZooKeeper can break uniqueness),
+    ``sasl`` (DIGEST-MD5) or ``digest``, as the user in ``credentials_file``.
+    ``read_acl``: who may read the service's znodes (``world``: discovery clients
+    without credentials; ``service``: only the service's identities). ``open_acl``:
+    during a migration to ACLs, authenticate but create znodes anyone may write and
+    accept such ones (see ``snowflake zk-acl``).
+    """
+
+    auth: str = "none"
+    credentials_file: str = ""
+    read_acl: str = "world"
+    open_acl: bool = False
+
+    @property
+    def authenticated(self) -> bool:
+        return self.auth != "none"
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterSettings:
     """What cluster mode needs: where ZooKeeper is, which id to take, how to check peers."""
@@ -122,6 +149,7 @@ class ClusterSettings:
     zk_connect_timeout: float
     first_start_wait: float
     max_startup_wait: float
+    access: ZooKeeperAccess = ZooKeeperAccess()
 
     @property
     def auto_worker_id(self) -> bool:
@@ -248,6 +276,10 @@ class ServerSettings:
     skip_sanity_checks: bool = False
     zk_session_timeout: float = 10.0
     zk_connect_timeout: float = 10.0
+    zk_auth: str = "none"
+    zk_credentials_file: str = ""
+    zk_read_acl: str = "world"
+    zk_open_acl: bool = False
     max_connections: int = 1000
     http_max_connections: int = 1000
     max_frame_size: int = 64 * 1024
@@ -286,6 +318,19 @@ class ServerSettings:
         _one_of("sequence_start", self.sequence_start, ("zero", "random"))
         _one_of("log_level", self.log_level, LOG_LEVELS)
         _one_of("log_format", self.log_format, LOG_FORMATS)
+        _one_of("zk_auth", self.zk_auth, ZK_AUTHS)
+        _one_of("zk_read_acl", self.zk_read_acl, ZK_READ_ACLS)
+        if self.zk_auth == "none":
+            if self.zk_credentials_file or self.zk_open_acl or self.zk_read_acl != "world":
+                raise ConfigurationError(
+                    "zk_credentials_file, zk_read_acl service and zk_open_acl need zk_auth "
+                    "sasl or digest"
+                )
+        elif not self.zk_credentials_file:
+            raise ConfigurationError(
+                f"zk_auth {self.zk_auth} needs zk_credentials_file (credentials never come "
+                "from the command line)"
+            )
         path = self.zk_path
         if not path.startswith("/") or path.endswith("/") or "//" in path:
             raise ConfigurationError(
@@ -350,8 +395,16 @@ class ServerSettings:
     @property
     def cluster(self) -> ClusterSettings:
         return self._view(
-            ClusterSettings, worker_id=self.worker_number, first_start_wait=self.first_start_window
-        )
+            ClusterSettings, worker_id=self.worker_number, first_start_wait=self.first_start_window,
+            access=self.zk_access,
+        )  # fmt: skip
+
+    @property
+    def zk_access(self) -> ZooKeeperAccess:
+        return ZooKeeperAccess(
+            auth=self.zk_auth, credentials_file=self.zk_credentials_file,
+            read_acl=self.zk_read_acl, open_acl=self.zk_open_acl,
+        )  # fmt: skip
 
     @property
     def serving(self) -> ServingSettings:

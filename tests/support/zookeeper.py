@@ -9,8 +9,10 @@ import socket
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kazoo.client import KazooClient
+from kazoo.security import make_digest_acl_credential
 
 from tests.support.endpoints import free_port
 from tests.support.netns import Host, Portal
@@ -32,12 +34,25 @@ log4j.appender.CONSOLE.layout.ConversionPattern=%d{ISO8601} %-5p [%t:%C{1}@%L] -
 
 class ZooKeeper:
     """A standalone ZooKeeper in ``directory``; :meth:`stop` and :meth:`start` again
-    keep its data (sessions survive), :meth:`wipe` makes it come back empty."""
+    keep its data (sessions survive), :meth:`wipe` makes it come back empty.
+
+    ``sasl_users`` ({name: password}) turns SASL DIGEST-MD5 on (a JAAS file of these
+    users; not required of clients, so anonymous and digest clients connect too);
+    ``super_password`` makes ``super`` a digest superuser (the break-glass identity).
+    Both are read at each :meth:`start`: change them and restart to rotate."""
 
     def __init__(
-        self, directory: Path, tick_ms: int = 200, max_session_timeout_ms: int = 60000
+        self,
+        directory: Path,
+        tick_ms: int = 200,
+        max_session_timeout_ms: int = 60000,
+        *,
+        sasl_users: dict[str, str] | None = None,
+        super_password: str | None = None,
     ) -> None:
         _installed()
+        self.sasl_users = dict(sasl_users or {})
+        self.super_password = super_password
         self.directory = directory
         self.port = free_port()
         self.hosts = f"127.0.0.1:{self.port}"
@@ -50,7 +65,8 @@ class ZooKeeper:
             self.directory, self._tick_ms, "127.0.0.1", self.port,
             max_session_ms=self._max_session_timeout_ms,
         )  # fmt: skip
-        self._process = _launch(self.directory, config)
+        lines, jvm = _auth_config(self.directory, self.sasl_users, self.super_password)
+        self._process = _launch(self.directory, config + lines, jvm=jvm)
         # Ready when a client gets a session: kazoo retries until then.
         client = self.client()
         try:
@@ -59,8 +75,9 @@ class ZooKeeper:
             client.stop()
             client.close()
 
-    def client(self) -> KazooClient:
-        return KazooClient(hosts=self.hosts, timeout=10.0)
+    def client(self, **options: Any) -> KazooClient:
+        """A client of this ZooKeeper (not started); ``options`` go to ``KazooClient``."""
+        return KazooClient(hosts=self.hosts, timeout=10.0, **options)
 
     @property
     def pid(self) -> int | None:
@@ -105,6 +122,29 @@ def _config(directory: Path, tick_ms: int, address: str, port: int, max_session_
         "admin.enableServer=false\n"
         f"maxSessionTimeout={max_session_ms}\n"
     )
+
+
+def _auth_config(
+    directory: Path, sasl_users: dict[str, str], super_password: str | None
+) -> tuple[str, tuple[str, ...]]:
+    """zoo.cfg's lines and the JVM's flags for SASL users and a digest superuser.
+
+    The JAAS file can only be named by a system property (no zoo.cfg key sets it).
+    """
+    lines, jvm = "", []
+    if sasl_users:
+        users = "".join(f'    user_{name}="{password}"\n' for name, password in sasl_users.items())
+        jaas = directory / "jaas.conf"
+        jaas.write_text(
+            "Server {\n    org.apache.zookeeper.server.auth.DigestLoginModule required\n"
+            f"{users};\n}};\n"
+        )
+        jvm.append(f"-Djava.security.auth.login.config={jaas}")
+        lines += "authProvider.1=org.apache.zookeeper.server.auth.SASLAuthenticationProvider\n"
+    if super_password is not None:
+        digest = make_digest_acl_credential("super", super_password)
+        jvm.append(f"-Dzookeeper.DigestAuthenticationProvider.superDigest={digest}")
+    return lines, tuple(jvm)
 
 
 def _launch(

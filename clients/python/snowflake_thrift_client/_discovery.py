@@ -10,7 +10,9 @@ ZooKeeper cannot be reached.
             ids.next_id()
 
 It needs kazoo, which this package does not install by default:
-``pip install 'snowflake-thrift-client[zookeeper]'``.
+``pip install 'snowflake-thrift-client[zookeeper]'``. A ZooKeeper whose znodes only
+the service may read (``--zk-read-acl service``) needs the service's credentials:
+``auth="sasl"`` or ``"digest"`` and ``credentials_file`` (the servers' format).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from ._client import Closing
 from ._errors import ConfigurationError
+from ._zkauth import kazoo_auth, load_credentials
 
 __all__ = ["ZooKeeperDiscovery"]
 
@@ -34,6 +37,8 @@ class ZooKeeperDiscovery(Closing):
         *,
         datacenter: int | None = None,
         timeout: float = 5.0,
+        auth: str = "none",
+        credentials_file: str = "",
     ) -> None:
         try:
             import kazoo  # noqa: F401 - an optional dependency: say so at once, not at first use
@@ -41,6 +46,9 @@ class ZooKeeperDiscovery(Closing):
             raise ConfigurationError(
                 "ZooKeeperDiscovery needs kazoo: pip install 'snowflake-thrift-client[zookeeper]'"
             ) from None
+        # Read now: a credentials file that cannot be used is said at once.
+        credentials = load_credentials(credentials_file) if credentials_file else None
+        self._auth = kazoo_auth(auth, credentials)
         self._hosts = hosts
         self._root = f"{zk_path}/nodes"
         self._datacenter = datacenter
@@ -55,7 +63,9 @@ class ZooKeeperDiscovery(Closing):
             if self._client is None:
                 from kazoo.client import KazooClient
 
-                client = KazooClient(hosts=self._hosts, timeout=self._timeout, read_only=True)
+                client = KazooClient(
+                    hosts=self._hosts, timeout=self._timeout, read_only=True, **self._auth
+                )
                 try:
                     client.start(timeout=self._timeout)
                 except BaseException:
