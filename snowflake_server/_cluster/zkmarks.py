@@ -18,6 +18,7 @@ from typing import Any
 
 from kazoo.exceptions import (
     BadVersionError,
+    NoAuthError,
     NodeExistsError,
     NoNodeError,
 )
@@ -157,6 +158,14 @@ class ZkMarkStore(MarkStore):
         except KazooTimeoutError:
             raise ReservationError(
                 f"writing {self._path}: no reply from ZooKeeper within {OP_TIMEOUT_S:g} s"
+            ) from None
+        except NoAuthError:
+            # Locked by the service's ACL (snowflake zk-acl) while this node has no
+            # credentials: it stops at its reserved ceiling; nobody else took the id.
+            raise ReservationError(
+                f"ZooKeeper refused this node's write of {self._path}: its ACL does not let "
+                "this node in (start it with the service's credentials: --zk-auth, "
+                "--zk-credentials-file)"
             ) from None
         except (BadVersionError, NodeExistsError):
             self._on_lost(f"{self._path} was changed by another node")

@@ -283,9 +283,11 @@ def test_migration_open_tree_then_locked_then_an_old_node_stops(
     assert f"changed 0 znodes under {zk_path}" in capsys.readouterr().out
     # 4. An old node without credentials cannot write its next mark: it stops serving.
     old.clock.now += 3000
-    with pytest.raises(UnavailableError):
+    with pytest.raises(UnavailableError) as refused:
         old.slot.next_id()
-    print(f"old node: {old.slot.gate.reason}")
+    print(f"old node: {refused.value}")
+    assert "ZooKeeper refused this node's write of" in str(refused.value)
+    assert "ACL" in (old.slot.unavailable_reason() or ""), "/readyz says why"
     # The new one goes on, and a node with credentials and no --zk-open-acl starts.
     new.clock.now += 3000
     assert decompose(new.slot.next_id()).worker_id == 2
