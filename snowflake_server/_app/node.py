@@ -350,6 +350,11 @@ class Node:
         return load_web_config(path) if path else None
 
     @property
+    def admin(self) -> AdminServer | None:
+        """The admin endpoint once :meth:`start` opened it, else None."""
+        return self._admin
+
+    @property
     def admin_scheme(self) -> str:
         """How the admin endpoint is spoken to: ``https`` or ``http``."""
         return self._admin.scheme if self._admin is not None else "http"

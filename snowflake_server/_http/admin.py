@@ -117,7 +117,7 @@ class AdminServer(Collector):
         checks_per_s: float = 4.0,
     ) -> None:
         self._metrics = make_wsgi_app(registry)
-        self._checks_per_s = checks_per_s
+        self.checks_per_s = checks_per_s  # taken at each reload
         self._checks: ThreadPoolExecutor | None = None
         self.web = _NO_WEB_CONFIG
         self.auth = BasicAuth({})
@@ -159,7 +159,7 @@ class AdminServer(Collector):
             self._checks = started_threads(1, "admin-bcrypt")
         # One assignment each, read once per connection on the loop: a connection sees
         # either the old pair or the new one's web config with a fresh (empty) cache.
-        self.auth = BasicAuth(web.users, checks_per_s=self._checks_per_s)
+        self.auth = BasicAuth(web.users, checks_per_s=self.checks_per_s)
         self.web = web
 
     def start(self) -> None:
@@ -180,7 +180,8 @@ class AdminServer(Collector):
         yield counter_by(
             "snowflake_admin_connections_rejected",
             "Admin endpoint connections closed unanswered: full (the most allowed were "
-            "open), or slow (no whole request, or its answer not taken, in time).",
+            "open), slow (no whole request, or its answer not taken, in time), or tls (a "
+            "failed TLS handshake or a corrupt record, with --web-config-file).",
             "reason",
             {"full": self.closed_full, "slow": self.closed_slow, "tls": self.closed_tls},
         )

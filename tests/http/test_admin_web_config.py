@@ -157,9 +157,9 @@ def test_password_checks_are_remembered_and_throttled(tmp_path: Path) -> None:
     right = ("prometheus", PASSWORD)
     settings_ = ServerSettings(web_config_file=web_config(tmp_path, USERS))
     with InProcessServer(settings_, tmp_path) as s:
-        admin = s.node._admin
+        admin = s.node.admin
         assert admin is not None
-        admin._checks_per_s = 1.0  # one check, then one a second
+        admin.checks_per_s = 1.0  # one check, then one a second
         admin.reload(load_web_config(settings_.web_config_file))
         assert get(s, "/metrics", auth=right)[0] == 200  # the one check
         statuses = [get(s, "/metrics", auth=("prometheus", f"guess{i}"))[0] for i in range(5)]
