@@ -41,6 +41,7 @@ from .._config.settings import PEER_CHECK_SLOTS, ServerSettings
 from .._errors import ConfigurationError, StartupDeferred, StartupInterrupted
 from .._http.admin import AdminServer
 from .._http.protocol import HttpProtocol
+from .._http.webconfig import WebConfig, load_web_config
 from .._ids.clocks import wall_clock_ms
 from .._ids.generator import IdSource
 from .._observability.audit import AuditLog
@@ -210,6 +211,7 @@ class Node:
         self._stopping = threading.Event()
         self._server: Server | None = None
         self._audit: AuditLog | None = None
+        self._admin: AdminServer | None = None
         self.mode: Mode | None = None
         self.lifecycle = Lifecycle()
         self.readiness = Readiness(self.lifecycle)
@@ -237,6 +239,8 @@ class Node:
             raise
 
     def _start(self) -> None:
+        # Read before any wait: a bad file is a setting, refused at once (exit 2).
+        web = self._web_config()
         ports = self._bind_ports()
         mode = self._open_mode()
         self.readiness.add_check(mode.unavailable)
@@ -249,7 +253,7 @@ class Node:
         )
         self._audit = self._open_audit(mode)
         self._server = self._open_server(mode, metrics, self._audit, ports)
-        self.admin_address = self._open_admin(mode, metrics, ports.admin)
+        self.admin_address = self._open_admin(mode, metrics, ports.admin, web)
         mode.join(self.thrift_address[1], self._cleanup.callback)
         if self._stopping.is_set():  # asked after the last wait: serve nobody
             raise StartupInterrupted("asked to stop while starting; nothing was served")
@@ -341,8 +345,26 @@ class Node:
             return None
         return server_context(serving.tls_cert, serving.tls_key, serving.tls_client_ca)
 
+    def _web_config(self) -> WebConfig | None:
+        path = self.settings.admin.web_config_file
+        return load_web_config(path) if path else None
+
+    @property
+    def admin(self) -> AdminServer | None:
+        """The admin endpoint once :meth:`start` opened it, else None."""
+        return self._admin
+
+    @property
+    def admin_scheme(self) -> str:
+        """How the admin endpoint is spoken to: ``https`` or ``http``."""
+        return self._admin.scheme if self._admin is not None else "http"
+
     def _open_admin(
-        self, mode: Mode, metrics: ServiceMetrics, bound: socket.socket | None
+        self,
+        mode: Mode,
+        metrics: ServiceMetrics,
+        bound: socket.socket | None,
+        web: WebConfig | None,
     ) -> tuple[str, int]:
         def ready() -> tuple[str | None, dict[str, object]]:
             ids = mode.source.settings
@@ -359,8 +381,14 @@ class Node:
         # The collectors list is read at each scrape: the cluster's joins it later.
         registry = metrics.registry(_Each(mode.collectors), self.readiness, self.loop_watch)
         admin = AdminServer(
-            registry, self.settings.admin, ready=ready, live=self.loop_watch.wedged, bound=bound
+            registry,
+            self.settings.admin,
+            ready=ready,
+            live=self.loop_watch.wedged,
+            bound=bound,
+            web=web,
         )
+        self._admin = admin
         registry.register(admin)
         admin.start()
         self._cleanup.callback(admin.stop)
@@ -390,8 +418,10 @@ class Node:
 
     def reload(self) -> None:
         """SIGHUP: new connections get the TLS certificate, key and client CA as the
-        files now hold them (a file that does not load keeps the old ones, and the log
-        says why); the audit trail goes to a fresh open of its file."""
+        files now hold them, on the Thrift and HTTP ports alike, and the admin endpoint's
+        web configuration as its file now says (a file that does not load keeps the old
+        settings, and the log says why); the audit trail goes to a fresh open of its
+        file."""
         if self._server is not None and self.settings.serving.tls_cert:
             try:
                 context = self._tls_context()
@@ -401,6 +431,8 @@ class Node:
                 assert context is not None
                 self._server.set_tls(context)
                 log.info("SIGHUP: new connections use the reloaded TLS certificate")
+        if self._admin is not None:
+            reload_admin(self._admin, self.settings.admin.web_config_file)
         if self._audit is not None and self._audit.reopen():
             log.info("SIGHUP: reopened the audit log %s", self._audit.path)
 
@@ -408,6 +440,19 @@ class Node:
         """Stop everything started, in reverse: the exact final marks are written."""
         self.lifecycle.stopped()
         self._cleanup.close()
+
+
+def reload_admin(admin: AdminServer, path: str) -> None:
+    """SIGHUP for an admin endpoint: its web configuration read again from ``path``
+    (if any); one that does not load keeps the one in use, and the log says why."""
+    if not path:
+        return
+    try:
+        admin.reload(load_web_config(path))
+    except (ConfigurationError, RuntimeError) as e:
+        log.error("SIGHUP: keeping the admin endpoint's web configuration in use: %s", e)
+    else:
+        log.info("SIGHUP: new admin connections use the reloaded web configuration %s", path)
 
 
 @dataclass
@@ -506,9 +551,9 @@ def serve(
         ids = node.mode.source.settings if node.mode is not None else settings.ids
         log.info(
             "serving %s/binary on %s:%d (datacenter %d, worker %d); metrics on "
-            "http://%s:%d/metrics",
+            "%s://%s:%d/metrics",
             settings.transport, *node.thrift_address, ids.datacenter_id, ids.worker_id,
-            *node.admin_address,
+            node.admin_scheme, *node.admin_address,
             extra={
                 "thrift": "{}:{}".format(*node.thrift_address),
                 "admin": "{}:{}".format(*node.admin_address),

@@ -58,6 +58,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from .._config.settings import ServerSettings
 from .._errors import StartupDeferred, StartupInterrupted
 from .._http.admin import AdminServer
+from .._http.webconfig import load_web_config
 from .._observability.lifecycle import Lifecycle
 from .._observability.logs import LogFile
 from .._observability.metrics import counter_by
@@ -74,6 +75,7 @@ from .child import (
     poll_children,
     process_state,
 )
+from .node import reload_admin
 from .node_id import WorkerIdOrigin, configured_origin
 from .notify import Notifier
 from .ready import ready_line
@@ -189,6 +191,7 @@ class Supervisor(Collector):
         self._origin = configured_origin(settings) if origin is None else origin
         self._log_file = log_file
         self._clock = clock
+        self._admin: AdminServer | None = None
         self._stop = threading.Event()
         self._serving = threading.Event()  # every process started: a stop drains now
         self._children: list[Child] = []
@@ -214,6 +217,9 @@ class Supervisor(Collector):
             worker_id=worker_id,
             metrics_host="127.0.0.1",
             metrics_port=0,
+            # Its admin endpoint is the supervisor's alone, on loopback; the web
+            # configuration guards the supervisor's.
+            web_config_file="",
         )
 
     def run(self) -> int:
@@ -243,6 +249,8 @@ class Supervisor(Collector):
 
     def _run(self) -> int:
         settings = self._settings
+        web_config = settings.admin.web_config_file
+        web = load_web_config(web_config) if web_config else None  # a bad one: exit 2 now
         # Every port bound before any child starts (and waits): a port in use fails at
         # once. The Thrift ports are held (SO_REUSEPORT, not listening) so that port 0
         # means one port for all.
@@ -281,8 +289,14 @@ class Supervisor(Collector):
             registry.register(_ChildrenMetrics(self._children, self._clock))
             registry.register(self)
             admin = AdminServer(
-                registry, settings.admin, ready=self.ready, live=self.live, bound=admin_sock
+                registry,
+                settings.admin,
+                ready=self.ready,
+                live=self.live,
+                bound=admin_sock,
+                web=web,
             )
+            self._admin = admin
         except BaseException:
             admin_sock.close()
             self._stop_children()
@@ -366,6 +380,8 @@ class Supervisor(Collector):
     def _reload(self) -> None:
         if self._log_file is not None:
             self._log_file.reopen()
+        if self._admin is not None:
+            reload_admin(self._admin, self._settings.admin.web_config_file)
         self._signal_children(signal.SIGHUP)
 
     def _signal_children(self, signum: signal.Signals) -> None:

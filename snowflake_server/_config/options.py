@@ -291,6 +291,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("tls_key", str, "The private key of --tls-cert, if in its own file.", "FILE"),
     Option("tls_client_ca", str,
            "Require a client certificate signed by this CA (mutual TLS).", "FILE"),
+    Option("web_config_file", str,
+           "The admin endpoint's web configuration, as Prometheus exporters read it "
+           "(YAML: tls_server_config for HTTPS and client certificates, basic_auth_users "
+           "with bcrypt hashes); checked at start, read again on SIGHUP. /livez and "
+           "/readyz need no certificate or password.", "FILE"),
     Option("audit_log", str,
            "Append one JSON line per id issued to this file (off the id path; entries "
            "are dropped, and counted, if the disk falls behind).", "FILE"),
@@ -320,7 +325,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cluster", ("zookeeper", "zk_path", "advertise_host", "advertise_port", "max_peer_skew",
                  "skip_sanity_checks", "zk_session_timeout", "zk_connect_timeout",
                  "zk_auth", "zk_credentials_file", "zk_read_acl", "zk_open_acl")),
-    ("security", ("tls_cert", "tls_key", "tls_client_ca", "audit_log", "audit_queue")),
+    ("security", ("tls_cert", "tls_key", "tls_client_ca", "web_config_file", "audit_log",
+                  "audit_queue")),
     ("limits", ("max_connections", "http_max_connections", "max_frame_size", "max_batch",
                 "max_agents")),
     ("observability", ("metrics_host", "metrics_port", "ready_max_lag", "live_max_stall",

@@ -199,6 +199,8 @@ class AdminSettings:
     host: str
     port: int
     max_agents: int
+    web_config_file: str = ""
+    """The exporter-toolkit web configuration (TLS, client certificates, users), or ""."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +288,7 @@ class ServerSettings:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    web_config_file: str = ""
     audit_log: str = ""
     audit_queue: int = 100_000
     processes: int = 1
@@ -412,7 +415,9 @@ class ServerSettings:
 
     @property
     def admin(self) -> AdminSettings:
-        return AdminSettings(self.metrics_host, self.metrics_port, self.max_agents)
+        return AdminSettings(
+            self.metrics_host, self.metrics_port, self.max_agents, self.web_config_file
+        )
 
     @property
     def probes(self) -> ProbeSettings:

@@ -19,6 +19,16 @@ strict parser (:mod:`.parser`) and answered by its response builder
 (:mod:`.responses`): a request it cannot trust gets its status and a close; HEAD
 gets the headers a GET would (``/metrics`` too).
 
+With ``--web-config-file`` (:mod:`.webconfig`, the Prometheus exporters' format) it
+serves HTTPS, optionally asks for client certificates, and asks for basic-auth
+credentials; the probes (``/livez``, ``/readyz``, ``/health``) need neither a
+certificate nor a password, because a kubelet probe or a container health check
+presents neither, and they tell nothing secret. TLS runs over memory buffers in the
+connection (``TlsSession``, as on the client ports), so the request deadline and the
+connection limit hold from the first byte of the handshake. A bcrypt check (about
+50 ms) runs on a thread of its own, never on the loop that answers the probes.
+SIGHUP reads the file again (:meth:`AdminServer.reload`).
+
 It accepts on its own loop rather than asyncio's ``create_server``: out of file
 descriptors (EMFILE, ENFILE), asyncio's accept logged a traceback for each of up
 to 128 pending connections and retried every second, thousands of lines in
@@ -35,9 +45,11 @@ import io
 import json
 import logging
 import socket
+import ssl
 import sys
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 from urllib.parse import unquote
 
@@ -47,9 +59,11 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from .._config.settings import AdminSettings
 from .._observability.metrics import counter_by
-from .._serving.listeners import listen_socket
+from .._serving.listeners import listen_socket, started_threads
+from .._serving.tls import TlsSession
 from .parser import HttpError, Request, RequestParser
 from .responses import error_response, response
+from .webconfig import PROBE_PATHS, BasicAuth, WebConfig
 
 __all__ = ["AdminConnection", "AdminServer", "Live", "Ready"]
 
@@ -74,6 +88,8 @@ _BACKLOG = 128
 _PAUSE_FIRST_S = 0.1
 _PAUSE_MAX_S = 2.0
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_REALM = 'Basic realm="snowflake admin", charset="UTF-8"'
+_NO_WEB_CONFIG = WebConfig("")
 
 
 class AdminServer(Collector):
@@ -82,7 +98,9 @@ class AdminServer(Collector):
     As a collector it reports the connections it closed unanswered (register it
     where they should be exported). Raises ``ConfigurationError`` if the address
     cannot be used. ``bound``: its socket, bound already (not listening); by default
-    it binds one.
+    it binds one. ``web``: its web configuration (TLS, client certificates, users);
+    plain HTTP open to all by default. ``checks_per_s``: bcrypt checks allowed per
+    second (see :class:`~.webconfig.BasicAuth`).
     """
 
     def __init__(
@@ -95,8 +113,17 @@ class AdminServer(Collector):
         max_connections: int = _MAX_CONNECTIONS,
         request_timeout: float = _REQUEST_TIMEOUT_S,
         bound: socket.socket | None = None,
+        web: WebConfig | None = None,
+        checks_per_s: float = 4.0,
     ) -> None:
         self._metrics = make_wsgi_app(registry)
+        self.checks_per_s = checks_per_s  # taken at each reload
+        self._checks: ThreadPoolExecutor | None = None
+        self.web = _NO_WEB_CONFIG
+        self.auth = BasicAuth({})
+        self.denied = {"no_certificate": 0, "no_credentials": 0, "wrong_credentials": 0,
+                       "throttled": 0}  # fmt: skip
+        self.closed_tls = 0  # failed TLS handshakes, corrupt records
         self._ready = ready
         self._live = live
         self.max_connections = max_connections
@@ -112,11 +139,28 @@ class AdminServer(Collector):
         self._loop = asyncio.new_event_loop()
         self._stopping = asyncio.Event()  # set on the loop's thread
         self._thread = threading.Thread(target=self._run, name="admin-http", daemon=True)
+        self.reload(web or _NO_WEB_CONFIG)
 
     @property
     def address(self) -> tuple[str, int]:
         host, port = self._sock.getsockname()[:2]
         return str(host), int(port)
+
+    @property
+    def scheme(self) -> str:
+        """``https`` with TLS, else ``http``."""
+        return self.web.scheme
+
+    def reload(self, web: WebConfig) -> None:
+        """Serve connections accepted from now on as ``web`` says (those open keep the
+        old settings); credentials checked so far are checked again. Safe from any
+        thread. Raises ``RuntimeError`` if the bcrypt thread cannot start."""
+        if web.users and self._checks is None:
+            self._checks = started_threads(1, "admin-bcrypt")
+        # One assignment each, read once per connection on the loop: a connection sees
+        # either the old pair or the new one's web config with a fresh (empty) cache.
+        self.auth = BasicAuth(web.users, checks_per_s=self.checks_per_s)
+        self.web = web
 
     def start(self) -> None:
         self._thread.start()
@@ -129,14 +173,25 @@ class AdminServer(Collector):
         else:
             self._sock.close()
             self._loop.close()
+        if self._checks is not None:
+            self._checks.shutdown(wait=False, cancel_futures=True)
 
     def collect(self) -> Iterable[Metric]:
         yield counter_by(
             "snowflake_admin_connections_rejected",
             "Admin endpoint connections closed unanswered: full (the most allowed were "
-            "open), or slow (no whole request, or its answer not taken, in time).",
+            "open), slow (no whole request, or its answer not taken, in time), or tls (a "
+            "failed TLS handshake or a corrupt record, with --web-config-file).",
             "reason",
-            {"full": self.closed_full, "slow": self.closed_slow},
+            {"full": self.closed_full, "slow": self.closed_slow, "tls": self.closed_tls},
+        )
+        yield counter_by(
+            "snowflake_admin_requests_denied",
+            "Admin endpoint requests (probes never) refused by the web configuration: "
+            "no client certificate (403), no or wrong basic-auth credentials (401), or "
+            "throttled: more password checks asked than allowed per second (429).",
+            "reason",
+            self.denied,
         )
         yield counter_by(
             "snowflake_accept_pauses",
@@ -201,7 +256,56 @@ class AdminServer(Collector):
         self.open[connection] = None
         return True
 
-    def respond(self, request: Request) -> bytes:
+    def answer(self, request: Request, connection: AdminConnection) -> bytes | None:
+        """The whole response to ``request``, or None when a password check must run
+        first: ``connection.finish`` is then called with it, on the loop's thread."""
+        web, auth = connection.web, connection.auth
+        head = request.method == "HEAD"
+        if unquote(request.path) in PROBE_PATHS:
+            return self.respond(request, web)
+        if web.require_client_cert and not connection.certified:
+            self.denied["no_certificate"] += 1
+            return error_response(403, "client_certificate_required",
+                                  "this path needs a client certificate (mutual TLS)",
+                                  head=head, close=True, headers=web.headers)  # fmt: skip
+        if not auth.enabled:
+            return self.respond(request, web)
+        given = BasicAuth.credentials(_header(request, "authorization"))
+        if given is None:
+            self.denied["no_credentials"] += 1
+            return _unauthorized(web, head)
+        if auth.remembered(*given):
+            return self.respond(request, web)
+        if not auth.may_check() or self._checks is None:
+            self.denied["throttled"] += 1
+            return error_response(429, "too_many_password_checks",
+                                  "too many password checks: try again in a second",
+                                  head=head, close=True,
+                                  headers=(("Retry-After", "1"), *web.headers))  # fmt: skip
+        loop = asyncio.get_running_loop()
+        checked = loop.run_in_executor(self._checks, auth.check, *given)
+
+        def checked_done(future: asyncio.Future[bool]) -> None:
+            if future.cancelled():
+                return
+            try:
+                ok = future.result()
+            except Exception:
+                log.exception("admin: checking a password failed")
+                connection.finish(error_response(500, "internal_error", "internal error",
+                                                 head=head, close=True))  # fmt: skip
+                return
+            if not ok:
+                self.denied["wrong_credentials"] += 1
+                connection.finish(_unauthorized(web, head))
+                return
+            auth.remember(*given)
+            connection.finish(self.respond(request, web))
+
+        checked.add_done_callback(checked_done)
+        return None
+
+    def respond(self, request: Request, web: WebConfig = _NO_WEB_CONFIG) -> bytes:
         """The whole response to ``request`` (the connection closes after it)."""
         environ: dict[str, Any] = {
             "REQUEST_METHOD": request.method,
@@ -212,7 +316,7 @@ class AdminServer(Collector):
             "SERVER_PORT": str(self.address[1]),
             "SERVER_PROTOCOL": "HTTP/1.1",
             "wsgi.version": (1, 0),
-            "wsgi.url_scheme": "http",
+            "wsgi.url_scheme": web.scheme,
             "wsgi.input": io.BytesIO(),
             "wsgi.errors": sys.stderr,
             "wsgi.multithread": False,
@@ -233,7 +337,7 @@ class AdminServer(Collector):
             status, headers = started[-1]
             code = int(status[:3])  # the app's own status line, never a client's bytes
             content_type = "text/plain"
-            extra: list[tuple[str, str]] = []
+            extra: list[tuple[str, str]] = list(web.headers)
             for name, value in headers:
                 lower = name.lower()
                 if lower == "content-type":
@@ -245,7 +349,7 @@ class AdminServer(Collector):
         except Exception:
             log.exception("admin %s %s failed", request.method, request.path)
             return error_response(500, "internal_error", f"internal error in {request.path}",
-                                  head=head, close=True)  # fmt: skip
+                                  head=head, close=True, headers=web.headers)  # fmt: skip
 
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
@@ -283,6 +387,15 @@ class AdminConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self.waiting = True  # its request is not all here yet
+        # The settings it was accepted under: a reload meanwhile does not change them.
+        self.web = server.web
+        self.auth = server.auth
+        self._tls = TlsSession(self.web.tls) if self.web.tls is not None else None
+
+    @property
+    def certified(self) -> bool:
+        """Whether the client presented a (verified) certificate."""
+        return self._tls is not None and self._tls.peer_certified
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
@@ -294,19 +407,47 @@ class AdminConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if not self.waiting:
-            return  # answered: what else it sends is not read
+            return  # answered (or being answered): what else it sends is not read
+        assert self._transport is not None
+        if self._tls is not None:
+            try:
+                data, to_send = self._tls.receive(data)
+            except ssl.SSLError as e:
+                self._server.closed_tls += 1
+                log.debug("admin: TLS failed: %s", e)
+                self.abort()
+                return
+            if to_send:
+                self._transport.write(to_send)
+            if self._tls.closed_by_peer and not data:
+                self.abort()
+                return
+            if not data:
+                return
         try:
             requests = self._parser.feed(data)
         except HttpError as e:
-            reply = error_response(e.status, e.kind, str(e), close=True)
+            reply: bytes | None = error_response(
+                e.status, e.kind, str(e), close=True, headers=self.web.headers
+            )
         else:
             if not requests:
                 return
-            reply = self._server.respond(requests[0])  # one per connection: no more read
+            # One per connection: no more is read.
+            reply = self._server.answer(requests[0], self)
         self.waiting = False
-        assert self._transport is not None
-        self._transport.write(reply)
-        self._transport.close()  # once the answer is sent; the timer still bounds that
+        if reply is not None:
+            self.finish(reply)
+
+    def finish(self, reply: bytes) -> None:
+        """Send ``reply`` and close (once it is sent; the timer still bounds that)."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return  # aborted meanwhile (its deadline passed, or room was made)
+        if self._tls is not None:
+            reply = self._tls.encrypt(reply) + self._tls.close()
+        transport.write(reply)
+        transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
@@ -324,6 +465,17 @@ class AdminConnection(asyncio.Protocol):
         self._server.open.pop(self, None)  # now: its connection_lost comes a turn later
         if self._transport is not None:
             self._transport.abort()
+
+
+def _header(request: Request, name: str) -> str | None:
+    """The first value of header ``name`` (lower case), or None."""
+    return next((value for key, value in request.headers if key == name), None)
+
+
+def _unauthorized(web: WebConfig, head: bool) -> bytes:
+    return error_response(401, "unauthorized", "this path needs a user and password",
+                          head=head, close=True,
+                          headers=(("WWW-Authenticate", _REALM), *web.headers))  # fmt: skip
 
 
 def _send(

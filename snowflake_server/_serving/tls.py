@@ -70,6 +70,12 @@ class TlsSession:
         self._received = False
 
     @property
+    def peer_certified(self) -> bool:
+        """Whether the peer presented a certificate (verified, if the context verifies:
+        one that failed verification failed the handshake)."""
+        return self.established and self._tls.getpeercert(binary_form=True) is not None
+
+    @property
     def mid_handshake(self) -> bool:
         """Whether the peer began a handshake that has not completed."""
         return self._received and not self.established

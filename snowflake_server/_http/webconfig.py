@@ -1,0 +1,444 @@
+"""The admin endpoint's web configuration: the Prometheus exporters' file
+(exporter-toolkit's ``--web.config.file``), read by ``--web-config-file``.
+
+::
+
+    tls_server_config:                 # HTTPS on the admin port
+      cert_file: /etc/snowflake/admin.pem
+      key_file: /etc/snowflake/admin-key.pem
+      client_auth_type: RequireAndVerifyClientCert   # optional: mutual TLS
+      client_ca_file: /etc/snowflake/prometheus-ca.pem
+      min_version: TLS12
+    http_server_config:
+      headers: {X-Content-Type-Options: nosniff}
+    basic_auth_users:                  # optional: user -> bcrypt hash
+      prometheus: $2b$10$...
+
+:func:`load_web_config` accepts what ``promtool check web-config`` (Prometheus 2.42)
+accepts and refuses, with a ``ConfigurationError`` naming the key, what it refuses:
+unknown keys, values of the wrong type, unknown versions, ciphers, curves and
+client-auth types, files that do not load, hashes that are not bcrypt. Two things it
+accepts are refused here, each because this server cannot do what the file asks:
+``RequireAnyClientCert`` (any certificate, unverified: Python's TLS cannot take a
+certificate it does not verify; use ``RequireAndVerifyClientCert``) and a
+``min_version`` above ``max_version`` (no handshake could succeed). Relative paths are
+relative to the file's folder, as exporter-toolkit reads them.
+
+Differences a client can see: ``RequireAndVerifyClientCert`` asks for a certificate
+during the handshake and verifies any certificate given, but a client without one
+still completes it and then gets 403 for everything except the probes (``/livez``,
+``/readyz``, ``/health``): a kubelet or a container health check presents none (see
+docs/operations.md). ``http2`` is accepted and ignored (the endpoint speaks HTTP/1.1,
+which every scraper speaks); with several ``curve_preferences`` OpenSSL's own order
+applies (one curve: only that one).
+
+:class:`BasicAuth` checks the users' passwords. A bcrypt check costs about 50 ms of
+CPU, so it is priced: a password that passed is remembered (an LRU of keyed digests,
+never the password), so a scraper pays once, not at every scrape; and at most
+``checks_per_s`` checks run per second (a burst of as many), so a client guessing
+passwords gets 429 rather than the CPU.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import hashlib
+import hmac
+import math
+import os
+import re
+import ssl
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import bcrypt
+import yaml
+
+from .._errors import ConfigurationError
+
+__all__ = ["PROBE_PATHS", "BasicAuth", "WebConfig", "load_web_config"]
+
+PROBE_PATHS = frozenset({"/livez", "/readyz", "/health"})
+"""Served without credentials or a client certificate: orchestrators present neither."""
+
+_TOP = frozenset({"tls_server_config", "http_server_config", "basic_auth_users"})
+_TLS = frozenset({
+    "cert_file", "key_file", "client_auth_type", "client_ca_file", "cipher_suites",
+    "curve_preferences", "min_version", "max_version", "prefer_server_cipher_suites",
+})  # fmt: skip
+_HTTP = frozenset({"http2", "headers"})
+_VERSIONS = {
+    "TLS10": ssl.TLSVersion.TLSv1,
+    "TLS11": ssl.TLSVersion.TLSv1_1,
+    "TLS12": ssl.TLSVersion.TLSv1_2,
+    "TLS13": ssl.TLSVersion.TLSv1_3,
+}
+# Go's names (crypto/tls) of the TLS 1.2 suites, as OpenSSL calls them. Go's TLS 1.3 names
+# are accepted and, as in Go, change nothing: TLS 1.3's suites are not configurable.
+_CIPHERS = {
+    "TLS_RSA_WITH_RC4_128_SHA": "RC4-SHA",
+    "TLS_RSA_WITH_3DES_EDE_CBC_SHA": "DES-CBC3-SHA",
+    "TLS_RSA_WITH_AES_128_CBC_SHA": "AES128-SHA",
+    "TLS_RSA_WITH_AES_256_CBC_SHA": "AES256-SHA",
+    "TLS_RSA_WITH_AES_128_CBC_SHA256": "AES128-SHA256",
+    "TLS_RSA_WITH_AES_128_GCM_SHA256": "AES128-GCM-SHA256",
+    "TLS_RSA_WITH_AES_256_GCM_SHA384": "AES256-GCM-SHA384",
+    "TLS_ECDHE_ECDSA_WITH_RC4_128_SHA": "ECDHE-ECDSA-RC4-SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA": "ECDHE-ECDSA-AES128-SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA": "ECDHE-ECDSA-AES256-SHA",
+    "TLS_ECDHE_RSA_WITH_RC4_128_SHA": "ECDHE-RSA-RC4-SHA",
+    "TLS_ECDHE_RSA_WITH_3DES_EDE_CBC_SHA": "ECDHE-RSA-DES-CBC3-SHA",
+    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA": "ECDHE-RSA-AES128-SHA",
+    "TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA": "ECDHE-RSA-AES256-SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA256": "ECDHE-ECDSA-AES128-SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA256": "ECDHE-RSA-AES128-SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256": "ECDHE-RSA-AES128-GCM-SHA256",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256": "ECDHE-ECDSA-AES128-GCM-SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384": "ECDHE-RSA-AES256-GCM-SHA384",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384": "ECDHE-ECDSA-AES256-GCM-SHA384",
+    "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-RSA-CHACHA20-POLY1305",
+    "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-ECDSA-CHACHA20-POLY1305",
+    "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305": "ECDHE-RSA-CHACHA20-POLY1305",
+    "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305": "ECDHE-ECDSA-CHACHA20-POLY1305",
+}
+_TLS13_CIPHERS = frozenset(
+    {"TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384", "TLS_CHACHA20_POLY1305_SHA256"}
+)
+_CURVES = {
+    "CurveP256": "prime256v1",
+    "CurveP384": "secp384r1",
+    "CurveP521": "secp521r1",
+    "X25519": "X25519",
+}
+_CLIENT_AUTH = ("NoClientCert", "RequestClientCert", "RequireAnyClientCert",
+                "VerifyClientCertIfGiven", "RequireAndVerifyClientCert")  # fmt: skip
+# exporter-toolkit's list: the headers it lets a file set, and the values some may take.
+_HEADERS: dict[str, tuple[str, ...] | None] = {
+    "Strict-Transport-Security": None,
+    "X-Content-Type-Options": ("nosniff",),
+    "X-Frame-Options": ("deny", "sameorigin"),
+    "X-XSS-Protection": None,
+    "Content-Security-Policy": None,
+}
+# What Go's crypto/bcrypt reads: $2a$/$2b$/$2y$, a cost of 4..31, 53 characters of salt+hash.
+_BCRYPT = re.compile(rb"\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}")
+_MAX_PASSWORD = 72  # bcrypt's limit: longer ones are refused (bcrypt 5 raises, Go errs)
+
+
+@dataclass(frozen=True)
+class WebConfig:
+    """A checked web configuration: ``tls`` (None: plain HTTP), whether a client
+    certificate is required beyond the probes, the users (name -> bcrypt hash) and
+    the headers every answer carries."""
+
+    path: str
+    tls: ssl.SSLContext | None = None
+    require_client_cert: bool = False
+    users: Mapping[str, bytes] = field(default_factory=dict)
+    headers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
+
+
+def load_web_config(path: str) -> WebConfig:
+    """Read and check the web configuration at ``path``; raises ``ConfigurationError``
+    (``--web-config-file PATH: ...``) naming what is wrong."""
+    where = f"--web-config-file {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigurationError(f"{where}: cannot read it: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigurationError(f"{where}: not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigurationError(f"{where}: not valid YAML: {e}") from None
+    try:
+        return _config(path, {} if data is None else data, Path(path).parent)
+    except _Invalid as e:
+        raise ConfigurationError(f"{where}: {e}") from None
+
+
+class _Invalid(Exception):
+    """What is wrong with the file, worded for its reader (the path is added)."""
+
+
+def _config(path: str, data: object, base: Path) -> WebConfig:
+    top = _mapping(data, "the file", _TOP)
+    tls, require = _tls(_mapping(top.get("tls_server_config"), "tls_server_config", _TLS), base)
+    http = _mapping(top.get("http_server_config"), "http_server_config", _HTTP)
+    _typed(http, "http_server_config", "http2", bool)
+    headers = _headers(http.get("headers"))
+    return WebConfig(path, tls, require, _users(top.get("basic_auth_users")), headers)
+
+
+def _mapping(value: object, name: str, keys: frozenset[str]) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _Invalid(f"{name} must be a mapping, got {value!r}")
+    for key in value:
+        if key not in keys:
+            raise _Invalid(f"unknown key {key!r} in {name} (known: {', '.join(sorted(keys))})")
+    return value
+
+
+def _typed(values: Mapping[str, Any], where: str, key: str, kind: type) -> Any:
+    value = values.get(key)
+    if value is not None and not isinstance(value, kind):
+        want = {str: "a string", bool: "true or false", list: "a list"}[kind]
+        raise _Invalid(f"{where}.{key} must be {want}, got {value!r}")
+    return value
+
+
+def _strings(values: Mapping[str, Any], key: str) -> list[str]:
+    items = _typed(values, "tls_server_config", key, list) or []
+    for item in items:
+        if not isinstance(item, str):
+            raise _Invalid(f"tls_server_config.{key} must be a list of names, got {item!r}")
+    return list(items)
+
+
+def _tls(values: Mapping[str, Any], base: Path) -> tuple[ssl.SSLContext | None, bool]:
+    cert, key, auth, client_ca = (
+        _typed(values, "tls_server_config", name, str) or ""
+        for name in ("cert_file", "key_file", "client_auth_type", "client_ca_file")
+    )
+    if not (cert or key or auth or client_ca):
+        return None, False  # as exporter-toolkit: no TLS settings, plain HTTP
+    if not cert:
+        raise _Invalid("tls_server_config: missing cert_file")
+    if not key:
+        raise _Invalid("tls_server_config: missing key_file")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    low = _version(values, "min_version", "TLS12")
+    high = _version(values, "max_version", "TLS13")
+    if low > high:
+        raise _Invalid(
+            f"tls_server_config: min_version {values['min_version']} is above max_version "
+            f"{values['max_version']}: no handshake could succeed"
+        )
+    context.minimum_version, context.maximum_version = low, high
+    try:
+        context.load_cert_chain(base / cert, base / key)
+    except (OSError, ssl.SSLError) as e:
+        raise _Invalid(f"tls_server_config: cert_file {cert} / key_file {key}: {_why(e)}") from None
+    require = _client_auth(context, auth or "NoClientCert", client_ca, base)
+    _ciphers(context, _strings(values, "cipher_suites"))
+    curves = _strings(values, "curve_preferences")
+    for curve in curves:
+        if curve not in _CURVES:
+            raise _Invalid(f"tls_server_config.curve_preferences: unknown curve {curve!r} "
+                           f"(known: {', '.join(_CURVES)})")  # fmt: skip
+    if len(curves) == 1:
+        context.set_ecdh_curve(_CURVES[curves[0]])
+    if _typed(values, "tls_server_config", "prefer_server_cipher_suites", bool) is not False:
+        context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE  # exporter-toolkit's default
+    return context, require
+
+
+def _version(values: Mapping[str, Any], key: str, default: str) -> ssl.TLSVersion:
+    name = values.get(key, default)
+    if name not in _VERSIONS:
+        raise _Invalid(f"tls_server_config.{key}: unknown TLS version {name!r} "
+                       f"(known: {', '.join(_VERSIONS)})")  # fmt: skip
+    return _VERSIONS[name]
+
+
+def _client_auth(context: ssl.SSLContext, auth: str, client_ca: str, base: Path) -> bool:
+    """Sets how ``context`` asks for client certificates; whether one is required."""
+    if auth not in _CLIENT_AUTH and auth != "RequireClientCert":
+        raise _Invalid(f"tls_server_config.client_auth_type: unknown value {auth!r} "
+                       f"(known: {', '.join(_CLIENT_AUTH)})")  # fmt: skip
+    if auth in ("RequireAnyClientCert", "RequireClientCert"):
+        raise _Invalid(
+            f"tls_server_config.client_auth_type {auth} takes any certificate without "
+            "verifying it, which this server does not do: use RequireAndVerifyClientCert "
+            "with client_ca_file"
+        )
+    if client_ca and auth == "NoClientCert":
+        raise _Invalid(
+            "tls_server_config: client_ca_file is given without a client_auth_type: "
+            "set client_auth_type RequireAndVerifyClientCert (or VerifyClientCertIfGiven)"
+        )
+    if auth in ("VerifyClientCertIfGiven", "RequireAndVerifyClientCert"):
+        # Optional at the handshake even when required: the probes must get through
+        # without one; every other path asks for it (AdminServer).
+        context.verify_mode = ssl.CERT_OPTIONAL
+        try:
+            if client_ca:
+                context.load_verify_locations(cafile=base / client_ca)
+            else:
+                context.load_default_certs(ssl.Purpose.CLIENT_AUTH)  # as Go: the system's
+        except (OSError, ssl.SSLError) as e:
+            raise _Invalid(f"tls_server_config.client_ca_file {client_ca}: {_why(e)}") from None
+    # RequestClientCert asks for a certificate and never verifies or uses it: as none.
+    return auth == "RequireAndVerifyClientCert"
+
+
+def _ciphers(context: ssl.SSLContext, names: list[str]) -> None:
+    chosen = []
+    for name in names:
+        if name in _TLS13_CIPHERS:
+            continue
+        if name not in _CIPHERS:
+            raise _Invalid(f"tls_server_config.cipher_suites: unknown cipher {name!r} "
+                           "(Go's names, e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256)")  # fmt: skip
+        chosen.append(_CIPHERS[name])
+    if not chosen:
+        return
+    try:
+        context.set_ciphers(":".join(chosen))
+    except ssl.SSLError:
+        raise _Invalid(
+            f"tls_server_config.cipher_suites: none of {', '.join(names)} is available in "
+            f"this server's OpenSSL ({ssl.OPENSSL_VERSION})"
+        ) from None
+
+
+def _headers(value: object) -> tuple[tuple[str, str], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _Invalid(f"http_server_config.headers must be a mapping, got {value!r}")
+    headers = []
+    for name, text in value.items():
+        if name not in _HEADERS:
+            raise _Invalid(f"http_server_config.headers: {name!r} cannot be set "
+                           f"(these can: {', '.join(_HEADERS)})")  # fmt: skip
+        allowed = _HEADERS[name]
+        if not isinstance(text, str) or "\r" in text or "\n" in text:
+            raise _Invalid(f"http_server_config.headers.{name} must be one line, got {text!r}")
+        if allowed is not None and text not in allowed:
+            raise _Invalid(f"http_server_config.headers.{name} must be one of "
+                           f"{', '.join(allowed)}, got {text!r}")  # fmt: skip
+        headers.append((name, text))
+    return tuple(headers)
+
+
+def _users(value: object) -> dict[str, bytes]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _Invalid(f"basic_auth_users must be a mapping of user to bcrypt hash, got {value!r}")
+    users = {}
+    for name, hashed in value.items():
+        if not isinstance(name, str) or not name or ":" in name:
+            raise _Invalid(f"basic_auth_users: {name!r} is not a user name (text without ':')")
+        data = hashed.encode() if isinstance(hashed, str) else b""
+        if not _BCRYPT.fullmatch(data):
+            raise _Invalid(
+                f"basic_auth_users.{name}: not a bcrypt hash ($2b$10$ and 53 characters; "
+                "make one with: htpasswd -nBC 10 '' | tr -d ':\\n', or Python's "
+                "bcrypt.hashpw(password, bcrypt.gensalt()))"
+            )
+        users[name] = data
+    return users
+
+
+def _why(error: OSError) -> str:
+    if isinstance(error, ssl.SSLError):
+        return f"cannot load it: not PEM, or the key does not match ({error.reason or error})"
+    return f"cannot read it: {error.strerror or error}"
+
+
+class BasicAuth:
+    """HTTP basic authentication against bcrypt hashes, its cost bounded.
+
+    :meth:`remembered` answers from the cache (no bcrypt); otherwise :meth:`may_check`
+    says whether a check may run now (the token bucket: ``checks_per_s``, a burst of
+    as many), and :meth:`check` runs one (about 50 ms; from a worker thread: bcrypt
+    releases the GIL). All but :meth:`check` belong to one thread.
+    """
+
+    def __init__(
+        self,
+        users: Mapping[str, bytes],
+        *,
+        checks_per_s: float = 4.0,
+        remember: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._users = dict(users)
+        self._rate = checks_per_s
+        self._burst = max(1.0, math.ceil(checks_per_s))
+        self._tokens = self._burst
+        self._clock = clock
+        self._at = clock()
+        self._remember = remember
+        self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        # Keyed digests: a memory dump shows no password, nor a hash to attack offline.
+        self._key = os.urandom(32)
+        # What an unknown user's password is checked against: the same cost as a known
+        # user's, so the time taken does not tell which users exist.
+        self._decoy = bcrypt.hashpw(os.urandom(16), bcrypt.gensalt(10))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._users)
+
+    @staticmethod
+    def credentials(header: str | None) -> tuple[str, bytes] | None:
+        """The (user, password) of an ``Authorization: Basic ...`` value, or None."""
+        if header is None:
+            return None
+        scheme, _, encoded = header.strip().partition(" ")
+        if scheme.lower() != "basic":
+            return None
+        try:
+            decoded = base64.b64decode(encoded.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            return None
+        user, colon, password = decoded.partition(b":")
+        if not colon:
+            return None
+        try:
+            return user.decode("utf-8"), password
+        except UnicodeDecodeError:
+            return None
+
+    def _digest(self, user: str, password: bytes) -> bytes:
+        stored = self._users.get(user, b"")
+        message = b"\0".join((user.encode(), password, stored))
+        return hmac.new(self._key, message, hashlib.sha256).digest()
+
+    def remembered(self, user: str, password: bytes) -> bool:
+        """Whether these credentials passed a check lately (no bcrypt)."""
+        digest = self._digest(user, password)
+        if digest in self._known:
+            self._known.move_to_end(digest)
+            return True
+        return False
+
+    def may_check(self) -> bool:
+        """Whether a bcrypt check may run now; takes its token if so."""
+        now = self._clock()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+    def check(self, user: str, password: bytes) -> bool:
+        """Whether ``password`` is ``user``'s: about 50 ms, safe from any thread (it
+        touches no state; :meth:`remember` what passed, from the caller's thread)."""
+        stored = self._users.get(user)
+        if len(password) > _MAX_PASSWORD:
+            return False
+        ok = bcrypt.checkpw(password, stored if stored is not None else self._decoy)
+        return ok and stored is not None
+
+    def remember(self, user: str, password: bytes) -> None:
+        """Let these credentials in without a check from now on (the oldest forgotten)."""
+        self._known[self._digest(user, password)] = None
+        while len(self._known) > self._remember:
+            self._known.popitem(last=False)

@@ -1,0 +1,286 @@
+"""The admin endpoint under a web configuration (--web-config-file, the Prometheus
+exporters' format): HTTPS, mutual TLS, basic auth priced by bcrypt, the probes open to
+all; and the file checked as promtool checks it."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.client
+import shutil
+import ssl
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import bcrypt
+import pytest
+import trustme
+
+from snowflake_server import ServerSettings
+from snowflake_server._errors import ConfigurationError
+from snowflake_server._http.webconfig import BasicAuth, load_web_config
+from tests.support.inprocess import InProcessServer
+from tests.support.processes import parse_metrics
+
+PASSWORD = "scrape-me"
+# Cost 4: the format is the same as cost 10's, and a test checks many in little time.
+HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
+
+
+@dataclass
+class Pki:
+    """The admin endpoint's certificate (server CA), a client CA, and a rogue CA."""
+
+    directory: Path
+    server_ca: trustme.CA
+    client_ca: trustme.CA
+    rogue_ca: trustme.CA
+
+    @classmethod
+    def make(cls, directory: Path) -> Pki:
+        pki = cls(directory, trustme.CA(), trustme.CA(), trustme.CA())
+        cert = pki.server_ca.issue_cert("127.0.0.1")
+        cert.cert_chain_pems[0].write_to_path(str(directory / "admin.pem"))
+        cert.private_key_pem.write_to_path(str(directory / "admin-key.pem"))
+        pki.client_ca.cert_pem.write_to_path(str(directory / "client-ca.pem"))
+        return pki
+
+    def context(self, client_cert_from: trustme.CA | None = None) -> ssl.SSLContext:
+        context = ssl.create_default_context()
+        self.server_ca.configure_trust(context)
+        if client_cert_from is not None:
+            client_cert_from.issue_cert("prometheus@example.com").configure_cert(context)
+        return context
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return Pki.make(tmp_path)
+
+
+def web_config(directory: Path, text: str) -> str:
+    path = directory / "web.yml"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+TLS = "tls_server_config:\n  cert_file: admin.pem\n  key_file: admin-key.pem\n"
+MTLS = (
+    "tls_server_config:\n  cert_file: admin.pem\n  key_file: admin-key.pem\n"
+    "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: client-ca.pem\n"
+)
+USERS = f"basic_auth_users:\n  prometheus: '{HASH}'\n"
+
+
+def serve(tmp_path: Path, config: str, **settings: object) -> InProcessServer:
+    """A standalone server whose admin endpoint reads ``config`` (the file's text)."""
+    return InProcessServer(
+        ServerSettings(web_config_file=web_config(tmp_path, config), **settings),  # type: ignore[arg-type]
+        tmp_path,
+    )
+
+
+def get(
+    server: InProcessServer,
+    path: str,
+    context: ssl.SSLContext | None = None,
+    auth: tuple[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    """``GET path`` of the admin endpoint: its status, headers and body."""
+    if context is None:
+        connection: http.client.HTTPConnection = http.client.HTTPConnection(
+            "127.0.0.1", server.metrics_port, timeout=5
+        )
+    else:
+        connection = http.client.HTTPSConnection(
+            "127.0.0.1", server.metrics_port, timeout=5, context=context
+        )
+    headers = {}
+    if auth is not None:
+        headers["Authorization"] = "Basic " + base64.b64encode(":".join(auth).encode()).decode()
+    with contextlib.closing(connection):
+        connection.request("GET", path, headers=headers)
+        answer = connection.getresponse()
+        return answer.status, dict(answer.getheaders()), answer.read()
+
+
+def test_the_admin_endpoint_serves_https(tmp_path: Path, pki: Pki) -> None:
+    with serve(tmp_path, TLS + "http_server_config: {headers: {X-Frame-Options: deny}}\n") as s:
+        status, headers, body = get(s, "/metrics", pki.context())
+        assert status == 200 and b"snowflake_info" in body
+        assert headers["X-Frame-Options"] == "deny"
+        assert get(s, "/readyz", pki.context())[0] == 200
+        with pytest.raises((ConnectionError, http.client.HTTPException)):
+            get(s, "/readyz")  # plain HTTP to a TLS port: no answer
+        assert s.node.admin_scheme == "https"
+
+
+def test_basic_auth_guards_all_but_the_probes(tmp_path: Path) -> None:
+    with serve(tmp_path, USERS) as s:
+        status, headers, _ = get(s, "/metrics")
+        assert status == 401 and headers["WWW-Authenticate"].startswith("Basic ")
+        assert get(s, "/metrics", auth=("prometheus", "wrong"))[0] == 401
+        assert get(s, "/metrics", auth=("nobody", PASSWORD))[0] == 401
+        assert get(s, "/nowhere")[0] == 401  # what exists is not told either
+        status, _, body = get(s, "/metrics", auth=("prometheus", PASSWORD))
+        assert status == 200 and b"snowflake_info" in body
+        for probe in ("/livez", "/readyz", "/health"):
+            assert get(s, probe)[0] == 200, probe
+        denied = parse_metrics(get(s, "/metrics", auth=("prometheus", PASSWORD))[2].decode())
+        assert denied['snowflake_admin_requests_denied_total{reason="no_credentials"}'] == 2
+        assert denied['snowflake_admin_requests_denied_total{reason="wrong_credentials"}'] == 2
+
+
+def test_mutual_tls_with_basic_auth(tmp_path: Path, pki: Pki) -> None:
+    with serve(tmp_path, MTLS + USERS) as s:
+        with_cert = pki.context(client_cert_from=pki.client_ca)
+        right = ("prometheus", PASSWORD)
+        assert get(s, "/metrics", with_cert, right)[0] == 200
+        assert get(s, "/metrics", with_cert)[0] == 401
+        # No certificate: the handshake completes (the probes need it), the rest is 403.
+        status, _, body = get(s, "/metrics", pki.context(), right)
+        assert status == 403 and b"client_certificate_required" in body
+        assert get(s, "/livez", pki.context())[0] == 200
+        assert get(s, "/readyz", pki.context())[0] == 200
+        # A certificate of another CA fails the handshake, probe or not.
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            get(s, "/livez", pki.context(client_cert_from=pki.rogue_ca))
+        counts = parse_metrics(get(s, "/metrics", with_cert, right)[2].decode())
+        assert counts['snowflake_admin_requests_denied_total{reason="no_certificate"}'] == 1
+        assert counts['snowflake_admin_connections_rejected_total{reason="tls"}'] >= 1
+
+
+def test_password_checks_are_remembered_and_throttled(tmp_path: Path) -> None:
+    """One bcrypt check per second allowed: a scraper that passed once is let in from
+    memory, while a guesser is told to wait (429) instead of burning the CPU."""
+    right = ("prometheus", PASSWORD)
+    settings_ = ServerSettings(web_config_file=web_config(tmp_path, USERS))
+    with InProcessServer(settings_, tmp_path) as s:
+        admin = s.node.admin
+        assert admin is not None
+        admin.checks_per_s = 1.0  # one check, then one a second
+        admin.reload(load_web_config(settings_.web_config_file))
+        assert get(s, "/metrics", auth=right)[0] == 200  # the one check
+        statuses = [get(s, "/metrics", auth=("prometheus", f"guess{i}"))[0] for i in range(5)]
+        assert statuses.count(429) >= 4, statuses  # at most one more second's check ran
+        for _ in range(5):
+            assert get(s, "/metrics", auth=right)[0] == 200  # remembered: no check
+        assert admin.denied["throttled"] >= 4
+
+
+def test_the_token_bucket_refills_with_time() -> None:
+    now = [0.0]
+    auth = BasicAuth({"u": HASH.encode()}, checks_per_s=2.0, clock=lambda: now[0])
+    assert [auth.may_check() for _ in range(3)] == [True, True, False]
+    now[0] = 0.5
+    assert [auth.may_check() for _ in range(2)] == [True, False]
+    now[0] = 100.0  # a long quiet time refills the burst, no more
+    assert [auth.may_check() for _ in range(3)] == [True, True, False]
+
+
+def test_credentials_are_checked_and_remembered_by_digest() -> None:
+    auth = BasicAuth({"prometheus": HASH.encode()})
+    assert auth.credentials("Basic " + base64.b64encode(b"prometheus:a:b").decode()) == (
+        "prometheus",
+        b"a:b",
+    )
+    for bad in (None, "Bearer x", "Basic !!!", "Basic " + base64.b64encode(b"nocolon").decode()):
+        assert auth.credentials(bad) is None
+    assert not auth.check("prometheus", b"x" * 100)  # beyond bcrypt's 72 bytes: refused
+    assert not auth.check("nobody", PASSWORD.encode())
+    assert auth.check("prometheus", PASSWORD.encode())
+    assert not auth.remembered("prometheus", PASSWORD.encode())
+    auth.remember("prometheus", PASSWORD.encode())
+    assert auth.remembered("prometheus", PASSWORD.encode())
+    assert not auth.remembered("prometheus", b"other")
+
+
+def test_sighup_takes_a_new_web_configuration(tmp_path: Path, pki: Pki) -> None:
+    path = web_config(tmp_path, USERS)
+    with InProcessServer(ServerSettings(web_config_file=path), tmp_path) as s:
+        assert get(s, "/metrics")[0] == 401
+        Path(path).write_text("tls_server_config: {cert_file: nothere.pem, key_file: x}\n")
+        s.node.reload()  # a file that does not load: the old one stays
+        assert get(s, "/metrics")[0] == 401
+        Path(path).write_text(TLS, encoding="utf-8")
+        s.node.reload()
+        assert get(s, "/metrics", pki.context())[0] == 200  # HTTPS now, and no users
+
+
+def test_a_bad_web_configuration_stops_the_start(tmp_path: Path) -> None:
+    server = serve(tmp_path, "basic_auth_users: {prometheus: plaintext}\n")
+    with pytest.raises(ConfigurationError, match=r"basic_auth_users.prometheus: not a bcrypt"):
+        server.start()
+
+
+# Each file: whether promtool check web-config (Prometheus 2.42) accepts it, and whether
+# this server does (the same, but for the two cases the module's docstring gives).
+CASES = [
+    ("", True, True),
+    ("tls_server_config: {}", True, True),
+    (TLS, True, True),
+    (MTLS, True, True),
+    (MTLS.replace("RequireAndVerifyClientCert", "VerifyClientCertIfGiven"), True, True),
+    (TLS + "  min_version: TLS13\n  max_version: TLS13", True, True),
+    ("tls_server_config: {cert_file: admin.pem, key_file: admin-key.pem, min_version: TLS13, "
+     "max_version: TLS12}", True, False),
+    (MTLS.replace("RequireAndVerifyClientCert", "RequireAnyClientCert"), True, False),
+    ("tls_server_config: {cert_file: admin.pem, key_file: admin-key.pem, cipher_suites: "
+     "[TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256, TLS_AES_128_GCM_SHA256], curve_preferences: "
+     "[X25519], prefer_server_cipher_suites: false}", True, True),
+    ("tls_server_config: {cert_file: admin.pem, key_file: admin-key.pem, curve_preferences: "
+     "[CurveP256, CurveP384]}", True, True),
+    ("http_server_config: {http2: false, headers: {X-Content-Type-Options: nosniff}}",
+     True, True),
+    (USERS, True, True),
+    (TLS + USERS, True, True),
+    ("tls_server_config: {cert_file: admin.pem}", False, False),
+    ("tls_server_config: {key_file: admin-key.pem}", False, False),
+    ("tls_server_config: {cert_file: admin.pem, key_file: admin-key.pem, bogus: 1}",
+     False, False),
+    ("bogus: 1", False, False),
+    ("rate_limit: {}", False, False),
+    ("tls_server_config: {cert_file: admin.pem, key_file: admin-key.pem, client_auth_type: "
+     "Foo}", False, False),
+    ("tls_server_config: {cert_file: admin.pem, key_file: admin-key.pem, client_ca_file: "
+     "client-ca.pem}", False, False),
+    (TLS + "  min_version: TLS14", False, False),
+    (TLS + "  min_version: 12", False, False),
+    (TLS + "  cipher_suites: [TLS_FOO]", False, False),
+    (TLS + "  curve_preferences: [Foo]", False, False),
+    (TLS + "  client_allowed_sans: [a]", False, False),
+    ("tls_server_config: {cert_file: nothere.pem, key_file: admin-key.pem}", False, False),
+    ("tls_server_config: {cert_file: admin-key.pem, key_file: admin.pem}", False, False),
+    ("basic_auth_users: {prometheus: notahash}", False, False),
+    ("basic_auth_users: {prometheus: 1}", False, False),
+    ("basic_auth_users: prometheus", False, False),
+    ("http_server_config: {headers: {X-Frame-Options: bogus}}", False, False),
+    ("http_server_config: {headers: {X-Foo: bar}}", False, False),
+    ("http_server_config: {headers: {x-frame-options: deny}}", False, False),
+    ("tls_server_config: [a]", False, False),
+    ("tls_server_config: {cert_file: [a], key_file: b}", False, False),
+]  # fmt: skip
+
+
+def promtool() -> str:
+    found = shutil.which("promtool")
+    assert found, "promtool (Debian's prometheus) is unpacked into .tools/ by `make test`"
+    return found
+
+
+@pytest.mark.parametrize(("text", "promtool_accepts", "accepted"), CASES)
+def test_the_file_is_checked_as_promtool_checks_it(
+    tmp_path: Path, pki: Pki, text: str, promtool_accepts: bool, accepted: bool
+) -> None:
+    path = web_config(tmp_path, text + "\n")
+    checked = subprocess.run(
+        [promtool(), "check", "web-config", path],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert (checked.returncode == 0) == promtool_accepts, checked.stdout + checked.stderr
+    if accepted:
+        load_web_config(path)
+    else:
+        with pytest.raises(ConfigurationError, match=r"--web-config-file .*web\.yml: "):
+            load_web_config(path)
