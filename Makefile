@@ -43,16 +43,20 @@ CLIENTS   ?= clients
 	prometheus-tools \
 	bench-deps bench-build bench-loadgen bench-anchors
 
+# The server requires the client of this tree by its path (setup.py: no index is asked for
+# our names), which pip builds and installs; the editable client replaces it after. Not in
+# one command: pip finds that an editable client does not meet a requirement on its path.
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py clients/python/pyproject.toml
 	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { \
 	  echo "python3 -m venv failed: installing python3-venv"; \
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq python3-venv && \
 	  $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e './clients/python[zookeeper]' -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e './clients/python[zookeeper]'
 	touch $@
 
 # The services a package enables when installed (podman: its socket, timer and services;

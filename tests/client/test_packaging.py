@@ -1,21 +1,32 @@
 """The client is a distribution of its own: its wheel ships the IDL, installs alone in a
 fresh virtual environment (on the oldest Python it supports too) and calls a real server
-from there; the server's wheel depends on it instead of shipping it."""
+from there; the server's wheel depends on it instead of shipping it. Installed from this
+tree, the server takes the tree's client and never asks an index for our names (an
+impostor served there stays out); an sdist, and the wheel built from it, name it."""
 
 from __future__ import annotations
 
+import base64
 import email
 import glob
+import hashlib
+import http.server
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import threading
 import zipfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from email.message import Message
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 import snowflake_thrift_client
@@ -135,8 +146,13 @@ def test_the_server_wheel_depends_on_the_client_instead_of_shipping_it(
 ) -> None:
     fields = metadata(server_wheel)
     assert (fields["Name"], fields["Version"]) == ("snowflake-server", VERSION)
-    requires = [requirement_name(r) for r in fields.get_all("Requires-Dist", [])]
-    assert "snowflake-thrift-client" in requires
+    requires = fields.get_all("Requires-Dist", [])
+    # Built from a tree, it takes the client of that tree by its path, never by name
+    # from an index (setup.py).
+    client = (checkout / "clients" / "python").as_uri()
+    assert [r for r in requires if requirement_name(r) in OUR_NAMES] == [
+        f"snowflake-thrift-client @ {client}"
+    ]
     with zipfile.ZipFile(server_wheel) as archive:
         names = archive.namelist()
     assert not [name for name in names if name.startswith("snowflake_thrift_client")]
@@ -146,11 +162,28 @@ def test_the_server_wheel_depends_on_the_client_instead_of_shipping_it(
     assert modules == expected, "every module of the source, and nothing else"
 
 
+def setup_script() -> ModuleType:
+    """The root ``setup.py`` as a module (its ``setup()`` call runs only as a script)."""
+    spec = importlib.util.spec_from_file_location("snowflake_setup", ROOT / "setup.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_server_pins_the_client_of_its_own_version() -> None:
     """One version number: the server uses the client's private modules, so it accepts
-    only the client released with it, and reports the version they share."""
-    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-    assert re.search(rf'"snowflake-thrift-client=={re.escape(VERSION)}"', pyproject)
+    only the client released with it (in an sdist, by name: what an index would hold;
+    from the tree, that tree's client), and reports the version they share."""
+    setup = setup_script()
+    assert setup.client_requirement(["setup.py", "sdist", "--formats", "gztar"]) == (
+        f"snowflake-thrift-client=={VERSION}"
+    )
+    client = (ROOT / "clients" / "python").resolve().as_uri()
+    for command in ("bdist_wheel", "editable_wheel", "dist_info", "egg_info"):
+        assert setup.client_requirement(["setup.py", command]) == (
+            f"snowflake-thrift-client @ {client}"
+        )
     assert snowflake_server.__version__ == snowflake_thrift_client.__version__ == VERSION
 
 
@@ -294,3 +327,208 @@ def test_the_public_surface_is_importable() -> None:
         for name in package.__all__:
             if name.endswith("Error"):
                 assert issubclass(getattr(package, name), snowflake_thrift_client.SnowflakeError)
+
+
+# -- installed from the tree, with an index that has an impostor of our names ---------------
+
+OUR_NAMES = ("snowflake-thrift-client", "snowflake-server")
+PLANTED = "planted by the index"
+# What pip's build isolation installs to build either project (both use setuptools).
+BUILD_REQUIRES = ["setuptools>=77"]
+
+
+def normalized(name: str) -> str:
+    """A project name as an index compares it (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def record_hash(data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+    return f"sha256={digest.decode()}"
+
+
+def impostor_wheel(directory: Path) -> Path:
+    """A ``snowflake-thrift-client`` of our version as a stranger could register it: the
+    module it installs says so (``PLANTED``)."""
+    package = "snowflake_thrift_client"
+    dist_info = f"{package}-{VERSION}.dist-info"
+    files = {
+        f"{package}/__init__.py": f"PLANTED = {PLANTED!r}\n__version__ = {VERSION!r}\n",
+        f"{dist_info}/METADATA": (
+            f"Metadata-Version: 2.1\nName: snowflake-thrift-client\nVersion: {VERSION}\n"
+        ),
+        f"{dist_info}/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: impostor\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = [f"{name},{record_hash(data.encode())},{len(data)}" for name, data in files.items()]
+    wheel = directory / f"{package}-{VERSION}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+        archive.writestr(f"{dist_info}/RECORD", "\n".join([*record, f"{dist_info}/RECORD,,"]))
+    return wheel
+
+
+@dataclass
+class Index:
+    """A simple repository (PEP 503) on 127.0.0.1, and every path pip asked it for."""
+
+    url: str
+    requested: list[str]
+
+    def asked_for(self, name: str) -> list[str]:
+        """The requests that named project ``name``: its page or one of its files."""
+        wanted = normalized(name)
+        return [path for path in self.requested if wanted in normalized(path)]
+
+
+def html(body: str) -> str:
+    return f"<!DOCTYPE html><html><body>{body}</body></html>"
+
+
+def write_index(root: Path, wheels: list[Path]) -> None:
+    """``root/simple/<project>/`` pages linking to ``root/files/<wheel>``."""
+    files = root / "files"
+    files.mkdir(parents=True)
+    projects: dict[str, list[str]] = {}
+    for wheel in wheels:
+        shutil.copy2(wheel, files / wheel.name)
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        link = f'<a href="../../files/{wheel.name}#sha256={digest}">{wheel.name}</a><br>'
+        projects.setdefault(normalized(wheel.name.split("-")[0]), []).append(link)
+    for project, links in projects.items():
+        page = root / "simple" / project / "index.html"
+        page.parent.mkdir(parents=True)
+        page.write_text(html("".join(links)))
+    listing = "".join(f'<a href="{p}/">{p}</a><br>' for p in sorted(projects))
+    (root / "simple" / "index.html").write_text(html(listing))
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(server_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wheels of the third-party distributions both projects need to build and run, as
+    this machine's pip configuration finds them (PyPI, or a mirror): never ours."""
+    requires = [
+        r for r in metadata(server_wheel).get_all("Requires-Dist", []) if "extra ==" not in r
+    ]
+    third_party = [r for r in requires if requirement_name(r) not in OUR_NAMES]
+    assert third_party and len(third_party) == len(requires) - 1
+    out = tmp_path_factory.mktemp("wheelhouse")
+    run(
+        [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
+         "--only-binary=:all:", "-d", str(out), *third_party, *BUILD_REQUIRES],
+        cwd=out, timeout_s=INSTALL_TIMEOUT_S,
+    )  # fmt: skip
+    assert not [w for w in out.iterdir() if normalized(w.name.split("-")[0]) in OUR_NAMES]
+    return out
+
+
+@pytest.fixture
+def index(wheelhouse: Path, tmp_path: Path) -> Iterator[Index]:
+    """The third-party wheels and the impostor, served on 127.0.0.1 for one test."""
+    root = tmp_path / "index"
+    write_index(root, [*wheelhouse.glob("*.whl"), impostor_wheel(tmp_path)])
+    requested: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def do_GET(self) -> None:
+            requested.append(self.path)  # list.append is atomic: one thread per request
+            super().do_GET()
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            pass  # pip's requests are kept in ``requested``; stderr stays quiet
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler) as httpd:
+        serving = threading.Thread(target=httpd.serve_forever, name="index", daemon=True)
+        serving.start()
+        try:
+            yield Index(f"http://127.0.0.1:{httpd.server_address[1]}/simple/", requested)
+        finally:
+            httpd.shutdown()
+            serving.join(timeout=RUN_TIMEOUT_S)
+
+
+WHAT_WAS_INSTALLED = """
+import json
+from importlib.metadata import distribution
+import snowflake_server, snowflake_thrift_client
+client = distribution("snowflake-thrift-client")
+print(json.dumps({
+    "planted": getattr(snowflake_thrift_client, "PLANTED", None),
+    "client_file": snowflake_thrift_client.__file__,
+    "client_from": json.loads(client.read_text("direct_url.json") or "null"),
+    "server_version": snowflake_server.__version__,
+}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(BUILD_TIMEOUT_S + INSTALL_TIMEOUT_S * 2 + RUN_TIMEOUT_S * 2)
+@pytest.mark.parametrize(
+    "install",
+    [
+        pytest.param(["."], id="bare"),
+        pytest.param(["-e", "."], id="editable"),
+        pytest.param(["./clients/python", "."], id="both-paths"),
+    ],
+)
+def test_installed_from_the_tree_no_index_is_asked_for_our_names(
+    install: list[str], checkout: Path, index: Index, tmp_path: Path
+) -> None:
+    """A bare ``pip install .`` in a fresh venv whose only index serves an impostor
+    ``snowflake-thrift-client`` of our version takes the client from the tree: pip never
+    asks the index for either of our names (dependency confusion)."""
+    tree = tmp_path / "tree"  # pip builds in place: a copy of the checkout of its own
+    shutil.copytree(checkout, tree, symlinks=True)
+    venv = tmp_path / "venv"
+    run([sys.executable, "-I", "-m", "venv", str(venv)], tmp_path, RUN_TIMEOUT_S * 2)
+    python = str(venv / "bin" / "python")
+    # Nothing of this machine's pip configuration (its indexes, find-links, constraints):
+    # the index below is the only place pip may look.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON"))}
+    env |= {"PIP_CONFIG_FILE": os.devnull, "PYTHONNOUSERSITE": "1"}
+    done = subprocess.run(
+        [python, "-I", "-m", "pip", "install", "--disable-pip-version-check", "--no-cache-dir",
+         "--index-url", index.url, *install],
+        cwd=tree, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S * 2,
+    )  # fmt: skip
+    assert done.returncode == 0, f"pip exited with {done.returncode}:\n{done.stderr}"
+
+    assert index.asked_for("thriftpy2"), "the index served the third-party dependencies"
+    for name in OUR_NAMES:
+        assert index.asked_for(name) == [], f"pip asked the index for {name}:\n{done.stdout}"
+    installed = json.loads(run([python, "-I", "-c", WHAT_WAS_INSTALLED], tmp_path, RUN_TIMEOUT_S))
+    assert installed["planted"] is None, "the impostor's module was installed"
+    assert installed["client_from"]["url"] == (tree / "clients" / "python").as_uri()
+    assert Path(installed["client_file"]).is_relative_to(venv), "built from the tree, installed"
+    assert installed["server_version"] == VERSION
+
+
+@pytest.mark.slow
+def test_an_sdist_and_its_wheel_name_the_client_as_an_index_would_hold_it(
+    checkout: Path, tmp_path: Path
+) -> None:
+    """What a release publishes (``python -m build``: the sdist, then the wheel built
+    from it) requires the client by name and version: an index refuses a path."""
+    tree = tmp_path / "tree"
+    shutil.copytree(checkout, tree, symlinks=True)
+    out = tmp_path / "sdist"
+    out.mkdir()
+    build_sdist = f"import setuptools.build_meta as b; print(b.build_sdist({str(out)!r}))"
+    name = run([sys.executable, "-c", build_sdist], tree, BUILD_TIMEOUT_S).strip().splitlines()[-1]
+    sdist = out / name
+    with tarfile.open(sdist) as archive:
+        member = archive.extractfile(f"snowflake_server-{VERSION}/PKG-INFO")
+        assert member is not None
+        pkg_info = email.message_from_bytes(member.read())
+    wheel = build_wheel(sdist, tmp_path)
+    for fields in (pkg_info, metadata(wheel)):
+        requires = fields.get_all("Requires-Dist", [])
+        assert [r for r in requires if requirement_name(r) in OUR_NAMES] == [
+            f"snowflake-thrift-client=={VERSION}"
+        ]
+        assert not [r for r in requires if "@" in r], "no direct reference"
