@@ -9,6 +9,7 @@ nothing unsafe happened, try again).
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -27,16 +28,20 @@ from kazoo.exceptions import (
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry, RetryFailedError
 
-from .._errors import StartupDeferred
+from .._config.settings import ZooKeeperAccess
+from .._errors import ConfigurationError, StartupDeferred
 from .._ids.clocks import pause
 
 __all__ = [
     "OP_TIMEOUT_S",
     "ZooKeeperSilent",
+    "check_tls_files",
     "children",
+    "client_options",
     "describe_zk_error",
     "numeric_order",
     "session_id",
+    "tls_hint",
     "zk_call",
 ]
 
@@ -129,3 +134,72 @@ def children(client: Any, path: str, what: str, timeout_s: float = 10.0) -> list
         return numeric_order(names)
     except NoNodeError:
         return []
+
+
+def client_options(access: ZooKeeperAccess) -> dict[str, Any]:
+    """``KazooClient``'s keyword arguments for ``access``, besides hosts, timeout and
+    retries: every ZooKeeper client of the server is made with them.
+
+    TLS: kazoo builds a new SSL context from the files at every connection attempt, so
+    certificate files replaced in place are used from the next reconnection on, in the
+    same session. Hostname verification is on (kazoo's default is off: a certificate
+    issued to any host would do)."""
+    options: dict[str, Any] = {}
+    if access.tls:
+        options.update(
+            use_ssl=True,
+            ca=access.tls_ca,
+            certfile=access.tls_cert or None,
+            keyfile=access.tls_key or None,
+            verify_certs=True,
+            check_hostname=access.tls_verify_hostname,
+        )
+    return options
+
+
+def check_tls_files(access: ZooKeeperAccess) -> None:
+    """Load ``access``'s TLS files as kazoo will at each connection: a file missing,
+    unreadable, not PEM, or a key that does not fit the certificate raises
+    ``ConfigurationError`` naming the flag (kazoo would only time out, again and again)."""
+    if not access.tls:
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_verify_locations(access.tls_ca)
+    except (OSError, ssl.SSLError) as e:
+        why = _unusable(e, "CA certificates")
+        raise ConfigurationError(f"--zk-tls-ca {access.tls_ca}: {why}") from None
+    if access.tls_cert:
+        try:
+            context.load_cert_chain(access.tls_cert, access.tls_key)
+        except (OSError, ssl.SSLError) as e:
+            why = _unusable(e, "a certificate and its key")
+            raise ConfigurationError(
+                f"--zk-tls-cert {access.tls_cert} / --zk-tls-key {access.tls_key}: {why}"
+            ) from None
+
+
+def _unusable(error: OSError, expected: str) -> str:
+    if isinstance(error, ssl.SSLError):
+        detail = error.reason or error.library or error
+        return f"cannot load {expected} from it: not PEM, or they do not match ({detail})"
+    return f"cannot read it: {error.strerror or error}"
+
+
+def tls_hint(access: ZooKeeperAccess) -> str:
+    """What to check when a TLS connection to ZooKeeper fails (kazoo says only that it
+    timed out, whatever the handshake met); empty without TLS."""
+    if not access.tls:
+        return ""
+    client = (
+        "the client certificate --zk-tls-cert must be one the servers trust"
+        if access.tls_cert
+        else "no client certificate is presented (--zk-tls-cert, --zk-tls-key): the "
+        "servers must not require one (ssl.clientAuth=none)"
+    )
+    return (
+        "; over TLS: --zookeeper must name the servers' secureClientPort, their "
+        f"certificates must be signed by the CA in --zk-tls-ca {access.tls_ca} and name "
+        f"the host dialled (hostname verification), and {client}; kazoo's warnings in "
+        "the log say what the last attempt met"
+    )

@@ -36,6 +36,7 @@ __all__ = [
     "ServerSettings",
     "ServingSettings",
     "WorkerSettings",
+    "ZooKeeperAccess",
 ]
 
 AUTO_WORKER_ID = -1
@@ -104,6 +105,23 @@ class WorkerSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ZooKeeperAccess:
+    """How a node may reach ZooKeeper: over TLS when ``tls_ca`` is set (the CA that
+    signed the servers' certificates), presenting ``tls_cert`` and ``tls_key`` when
+    both are set; the servers' certificates must name the host dialled
+    (``tls_verify_hostname``, always on from the options)."""
+
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_verify_hostname: bool = True
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca)
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterSettings:
     """What cluster mode needs: where ZooKeeper is, which id to take, how to check peers."""
 
@@ -122,6 +140,7 @@ class ClusterSettings:
     zk_connect_timeout: float
     first_start_wait: float
     max_startup_wait: float
+    access: ZooKeeperAccess = ZooKeeperAccess()
 
     @property
     def auto_worker_id(self) -> bool:
@@ -248,6 +267,9 @@ class ServerSettings:
     skip_sanity_checks: bool = False
     zk_session_timeout: float = 10.0
     zk_connect_timeout: float = 10.0
+    zk_tls_ca: str = ""
+    zk_tls_cert: str = ""
+    zk_tls_key: str = ""
     max_connections: int = 1000
     http_max_connections: int = 1000
     max_frame_size: int = 64 * 1024
@@ -293,6 +315,7 @@ class ServerSettings:
             )
         if (self.tls_key or self.tls_client_ca) and not self.tls_cert:
             raise ConfigurationError("tls_key and tls_client_ca need tls_cert")
+        _zk_tls(self.zk_tls_ca, self.zk_tls_cert, self.zk_tls_key)
         if self.worker_id == AUTO_WORKER_ID and not self.zookeeper:
             raise ConfigurationError("worker_id auto leases ids from ZooKeeper: give zookeeper")
         worker_id = self.worker_id
@@ -350,7 +373,17 @@ class ServerSettings:
     @property
     def cluster(self) -> ClusterSettings:
         return self._view(
-            ClusterSettings, worker_id=self.worker_number, first_start_wait=self.first_start_window
+            ClusterSettings,
+            worker_id=self.worker_number,
+            first_start_wait=self.first_start_window,
+            access=self.zk_access,
+        )
+
+    @property
+    def zk_access(self) -> ZooKeeperAccess:
+        """How to reach ZooKeeper (TLS), for the cluster and anything else that asks it."""
+        return ZooKeeperAccess(
+            tls_ca=self.zk_tls_ca, tls_cert=self.zk_tls_cert, tls_key=self.zk_tls_key
         )
 
     @property
@@ -382,6 +415,17 @@ class ServerSettings:
 
 
 _View = TypeVar("_View", WorkerSettings, ClusterSettings, ServingSettings)
+
+
+def _zk_tls(ca: str, cert: str, key: str) -> None:
+    if bool(cert) != bool(key):
+        raise ConfigurationError(
+            "zk_tls_cert and zk_tls_key go together (a client certificate and its key)"
+        )
+    if cert and not ca:
+        raise ConfigurationError(
+            "zk_tls_cert needs zk_tls_ca: TLS to ZooKeeper is on when its CA is given"
+        )
 
 
 def _machine_source(source: FromMachine, datacenter_id: int, processes: int) -> None:
