@@ -173,8 +173,9 @@ class ZooKeeper:
             max_session_ms=self._max_session_timeout_ms, tls=self.tls,
         )  # fmt: skip
         self._process = _launch(self.directory, config, tls=self.tls is not None)
-        # Ready when a client gets a session: kazoo retries until then.
-        client = self.client()
+        # Ready when a client gets a session: kazoo retries until then. (Whatever
+        # host its certificate names: some tests give it another host's.)
+        client = self.client(check_hostname=False)
         try:
             client.start(timeout=timeout_s)
         finally:
@@ -255,6 +256,9 @@ def _tls_config(tls: ZkTls, address: str, port: int) -> str:
         f"ssl.trustStore.location={tls.server_truststore}\n"
         "ssl.trustStore.type=PEM\n"
         f"ssl.clientAuth={tls.client_auth}\n"
+        # ACLs of the x509 scheme (a client certificate's subject) are valid only with
+        # its provider registered; the secure port authenticates each connection by it.
+        "authProvider.x509=org.apache.zookeeper.server.auth.X509AuthenticationProvider\n"
     )
 
 
