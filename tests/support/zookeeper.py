@@ -173,6 +173,10 @@ class ZooKeeper:
             max_session_ms=self._max_session_timeout_ms, tls=self.tls,
         )  # fmt: skip
         self._process = _launch(self.directory, config, tls=self.tls is not None)
+        if self.tls is not None:
+            # kazoo leaves the socket of a refused TLS attempt to the garbage collector
+            # (a ResourceWarning in the test): dial only once the port listens.
+            wait_until(lambda: _listens(self.port), "ZooKeeper's TLS port listens", timeout_s)
         # Ready when a client gets a session: kazoo retries until then. (Whatever
         # host its certificate names: some tests give it another host's.)
         client = self.client(check_hostname=False)
@@ -212,6 +216,14 @@ class ZooKeeper:
         """Forget everything: the next start is an empty ZooKeeper on the same port."""
         assert self._process is None, "stop() first"
         shutil.rmtree(self.directory / "data")
+
+
+def _listens(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def _installed() -> None:
