@@ -61,17 +61,18 @@ def test_sighup_under_load_keeps_the_zookeeper_session(
     zk.start(timeout=10)
     node = f"{zk_path}/nodes/0/6"
     load = Load(server)
+
+    def handled() -> int:
+        return server.log().count("ZooKeeper TLS files load")
+
     try:
         owner_before = zk.get(node)[1].ephemeralOwner
         wait_until(lambda: load.calls >= 200, "the load runs")
         for n in range(1, SIGHUPS + 1):
             server.process.send_signal(signal.SIGHUP)
-            wait_until(
-                lambda n=n: server.log().count("ZooKeeper TLS files load") == n,
-                f"SIGHUP {n} handled",
-            )
+            wait_until(lambda: handled() == n, f"SIGHUP {n} handled")  # noqa: B023
             calls = load.calls
-            wait_until(lambda c=calls: load.calls >= c + 200, f"calls after SIGHUP {n}")
+            wait_until(lambda: load.calls >= calls + 200, f"calls after SIGHUP {n}")  # noqa: B023
         owner_after = zk.get(node)[1].ephemeralOwner
         load.stop()
         print(

@@ -28,15 +28,8 @@ from snowflake_server._config.settings import ZooKeeperAccess
 from snowflake_server._errors import ConfigurationError, StartupDeferred
 from tests.support.inprocess import InProcessServer
 from tests.support.waiting import wait_until
-from tests.support.zookeeper import ZkTls, ZooKeeper, write_client
+from tests.support.zookeeper import KAZOO_TLS_SOCKETS, ZkTls, ZooKeeper, write_client
 
-# kazoo leaves the TLS socket of a failed connection attempt (refused, or a failed
-# handshake) to the garbage collector (kazoo/handlers/utils.py, create_tcp_connection):
-# CPython closes it at once, with a ResourceWarning this module expects.
-KAZOO_TLS_SOCKETS = (
-    "ignore:Exception ignored in. <ssl.SSLSocket:pytest.PytestUnraisableExceptionWarning",
-    "ignore:unclosed <ssl.SSLSocket:ResourceWarning",
-)
 pytestmark = [pytest.mark.zookeeper, *map(pytest.mark.filterwarnings, KAZOO_TLS_SOCKETS)]
 
 

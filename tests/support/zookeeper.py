@@ -38,6 +38,29 @@ log4j.appender.CONSOLE.layout.ConversionPattern=%d{ISO8601} %-5p [%t:%C{1}@%L] -
 """
 
 
+SECURITY = ("plain", "tls")
+"""How the tests that run once more secured may run their ZooKeeper: as it is, or over
+TLS (client certificates required); :func:`secured_zookeeper` builds each."""
+
+# kazoo leaves the TLS socket of a failed connection attempt (refused, or a failed
+# handshake) to the garbage collector (kazoo/handlers/utils.py, create_tcp_connection):
+# CPython closes it at once, with a ResourceWarning. Modules whose own clients meet a
+# TLS ZooKeeper that is down, or that refuses them, expect it (pytest.mark.filterwarnings).
+KAZOO_TLS_SOCKETS = (
+    "ignore:Exception ignored in. <ssl.SSLSocket:pytest.PytestUnraisableExceptionWarning",
+    "ignore:unclosed <ssl.SSLSocket:ResourceWarning",
+)
+
+
+def secured_zookeeper(directory: Path, security: str, **kwargs: Any) -> ZooKeeper:
+    """A ZooKeeper (not started) in ``directory``, secured as ``security`` (one of
+    :data:`SECURITY`) says; its :meth:`~ZooKeeper.client`, :meth:`~ZooKeeper.node_flags`,
+    :meth:`~ZooKeeper.access_flags` and :meth:`~ZooKeeper.discovery_options` follow."""
+    assert security in SECURITY, security
+    tls = ZkTls.make(directory / "tls") if security == "tls" else None
+    return ZooKeeper(directory / "zk", tls=tls, **kwargs)
+
+
 ClientAuth = Literal["need", "want", "none"]
 
 
@@ -203,8 +226,22 @@ class ZooKeeper:
         return (
             "--zookeeper", self.hosts, "--zk-path", zk_path,
             "--zk-session-timeout", session_timeout, "--zk-connect-timeout", "5",
-            "--advertise-host", "127.0.0.1",
-        ) + (self.tls.node_flags() if self.tls is not None else ())  # fmt: skip
+            "--advertise-host", "127.0.0.1", *self.access_flags(),
+        )  # fmt: skip
+
+    def access_flags(self) -> tuple[str, ...]:
+        """The flags a node (or ``snowflake get``) needs to reach this ZooKeeper as it is
+        secured: none for a plain one, ``--zk-tls-*`` for TLS."""
+        return self.tls.node_flags() if self.tls is not None else ()
+
+    def discovery_options(self) -> dict[str, Any]:
+        """``ZooKeeperDiscovery``'s keyword arguments to reach this ZooKeeper."""
+        if self.tls is None:
+            return {}
+        options: dict[str, Any] = {"tls_ca": str(self.tls.ca)}
+        if self.tls.presents_cert:
+            options |= {"tls_cert": str(self.tls.client_cert), "tls_key": str(self.tls.client_key)}
+        return options
 
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:
