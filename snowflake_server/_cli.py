@@ -72,6 +72,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     get.add_argument("--zk-path", default="/snowflake-servers",
                      help="ZooKeeper path of the cluster (default /snowflake-servers)")  # fmt: skip
+    for flag, what in (
+        ("--zk-tls-ca", "reach ZooKeeper over TLS, trusting this CA (PEM), as the server's flag"),
+        ("--zk-tls-cert", "client certificate (PEM) to present to ZooKeeper"),
+        ("--zk-tls-key", "the key of --zk-tls-cert (PEM)"),
+    ):
+        get.add_argument(flag, default="", metavar="FILE", help=what)
     get.add_argument("--host", help="server address (default 127.0.0.1), instead of --server")
     get.add_argument("--port", type=int, help=f"server port (default {DEFAULT_PORT})")
     get.add_argument("--transport", choices=("framed", "buffered"), default="framed",
@@ -184,7 +190,10 @@ def _get(args: argparse.Namespace, servers: list[tuple[str, int]]) -> int:
     try:
         if not args.zookeeper:
             return _get_from(args, servers)
-        with ZooKeeperDiscovery(args.zookeeper, args.zk_path, timeout=args.timeout) as found:
+        with ZooKeeperDiscovery(
+            args.zookeeper, args.zk_path, timeout=args.timeout, tls_ca=args.zk_tls_ca,
+            tls_cert=args.zk_tls_cert, tls_key=args.zk_tls_key,
+        ) as found:  # fmt: skip
             return _get_from(args, found)
     finally:
         for logger, level in zip(quiet, levels, strict=True):

@@ -36,7 +36,7 @@ from prometheus_client.registry import Collector
 from .._cluster.gate import SessionGate
 from .._cluster.membership import Cluster, advertised_address
 from .._cluster.slot import CurrentReservation, WorkerSlot
-from .._cluster.zk import describe_zk_error
+from .._cluster.zk import check_tls_files, describe_zk_error
 from .._config.settings import PEER_CHECK_SLOTS, ServerSettings
 from .._errors import ConfigurationError, StartupDeferred, StartupInterrupted
 from .._http.admin import AdminServer
@@ -421,7 +421,9 @@ class Node:
         files now hold them, on the Thrift and HTTP ports alike, and the admin endpoint's
         web configuration as its file now says (a file that does not load keeps the old
         settings, and the log says why); the audit trail goes to a fresh open of its
-        file."""
+        file. The ZooKeeper session and its connection are kept (a new session would lose
+        the worker id's lease): its TLS files are only checked, and said to be used from
+        the next reconnection on (kazoo reads them at each connection)."""
         if self._server is not None and self.settings.serving.tls_cert:
             try:
                 context = self._tls_context()
@@ -433,6 +435,20 @@ class Node:
                 log.info("SIGHUP: new connections use the reloaded TLS certificate")
         if self._admin is not None:
             reload_admin(self._admin, self.settings.admin.web_config_file)
+        access = self.settings.zk_access
+        if self.settings.zookeeper and access.tls:
+            try:
+                check_tls_files(access)
+            except ConfigurationError as e:
+                log.error(
+                    "SIGHUP: the ZooKeeper TLS files do not load, so a reconnection would fail "
+                    "until they do (the session and its connection are kept): %s", e,
+                )  # fmt: skip
+            else:
+                log.info(
+                    "SIGHUP: the ZooKeeper TLS files load; the next reconnection uses them "
+                    "(the session and its connection are kept)"
+                )
         if self._audit is not None and self._audit.reopen():
             log.info("SIGHUP: reopened the audit log %s", self._audit.path)
 

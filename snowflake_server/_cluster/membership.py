@@ -69,7 +69,7 @@ from .lease import Lease
 from .peers import check_peers
 from .session import GrantedTimeout, watch_granted_timeout
 from .slot import WorkerSlot
-from .zk import client_options, describe_zk_error
+from .zk import check_tls_files, client_options, describe_zk_error, tls_hint
 from .zkmarks import ZK_MARK_AHEAD_MS, MarkOfAnotherLayout, ZkMarkStore, restore_marks
 
 __all__ = ["Cluster", "OpenWorker", "advertised_address"]
@@ -205,14 +205,17 @@ class Cluster(Collector):
 
     def connect(self) -> None:
         """Open a session, or raise ``StartupDeferred`` within ``--zk-connect-timeout``
-        (``StartupInterrupted`` at once after :meth:`interrupt`)."""
+        (``StartupInterrupted`` at once after :meth:`interrupt`); ``ConfigurationError``
+        if the TLS files do not load."""
+        check_tls_files(self._settings.access)
         self._client = self._start_client()
         self._interrupted("connecting to ZooKeeper")
         if self._client is None:
+            over = " over TLS" if self._settings.access.tls else ""
             raise StartupDeferred(
-                f"cannot reach ZooKeeper at {self._settings.zookeeper} within "
+                f"cannot reach ZooKeeper at {self._settings.zookeeper}{over} within "
                 f"{self._settings.zk_connect_timeout:g} s (--zk-connect-timeout); is it running "
-                "and is --zookeeper right?"
+                f"and is --zookeeper right?{tls_hint(self._settings.access)}"
             )
         check_access(
             self._client, self._settings.access, self._settings.zk_path, self._wait

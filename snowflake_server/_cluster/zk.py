@@ -9,6 +9,7 @@ nothing unsafe happened, try again).
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -30,12 +31,13 @@ from kazoo.security import ACL, Id, Permissions, make_digest_acl_credential
 from snowflake_thrift_client._zkauth import ZooKeeperCredentials, kazoo_auth, load_credentials
 
 from .._config.settings import ZooKeeperAccess
-from .._errors import StartupDeferred
+from .._errors import ConfigurationError, StartupDeferred
 from .._ids.clocks import pause
 
 __all__ = [
     "OP_TIMEOUT_S",
     "ZooKeeperSilent",
+    "check_tls_files",
     "children",
     "client_options",
     "describe_zk_error",
@@ -43,6 +45,7 @@ __all__ = [
     "service_acl",
     "service_ids",
     "session_id",
+    "tls_hint",
     "zk_call",
 ]
 
@@ -138,16 +141,32 @@ def children(client: Any, path: str, what: str, timeout_s: float = 10.0) -> list
 
 
 def client_options(access: ZooKeeperAccess) -> dict[str, Any]:
-    """``KazooClient``'s keyword arguments besides hosts, timeout and retries: how it
-    authenticates (credentials read from ``access.credentials_file`` now, never logged)
-    and the ACL of every znode it creates (``default_acl``: kazoo gives it to ``create``
-    and to each parent ``ensure_path`` and ``makepath`` make). ``ConfigurationError``
-    if the credentials file cannot be used."""
-    if not access.authenticated:
-        return {}
-    credentials = load_credentials(access.credentials_file)
-    options = kazoo_auth(access.auth, credentials)
-    options["default_acl"] = service_acl(access, credentials)
+    """``KazooClient``'s keyword arguments for ``access``, besides hosts, timeout and
+    retries: every ZooKeeper client of the server is made with them.
+
+    Identity: how it authenticates (credentials read from ``access.credentials_file``
+    now, never logged) and the ACL of every znode it creates (``default_acl``: kazoo gives
+    it to ``create`` and to each parent ``ensure_path`` and ``makepath`` make);
+    ``ConfigurationError`` if the credentials file cannot be used.
+
+    TLS: kazoo builds a new SSL context from the files at every connection attempt, so
+    certificate files replaced in place are used from the next reconnection on, in the
+    same session. Hostname verification is on (kazoo's default is off: a certificate
+    issued to any host would do)."""
+    options: dict[str, Any] = {}
+    if access.authenticated:
+        credentials = load_credentials(access.credentials_file)
+        options.update(kazoo_auth(access.auth, credentials))
+        options["default_acl"] = service_acl(access, credentials)
+    if access.tls:
+        options.update(
+            use_ssl=True,
+            ca=access.tls_ca,
+            certfile=access.tls_cert or None,
+            keyfile=access.tls_key or None,
+            verify_certs=True,
+            check_hostname=access.tls_verify_hostname,
+        )
     return options
 
 
@@ -172,3 +191,51 @@ def service_acl(access: ZooKeeperAccess, credentials: ZooKeeperCredentials) -> l
     if access.read_acl == "world":
         acl.append(ACL(Permissions.READ, Id("world", "anyone")))
     return acl
+
+
+def check_tls_files(access: ZooKeeperAccess) -> None:
+    """Load ``access``'s TLS files as kazoo will at each connection: a file missing,
+    unreadable, not PEM, or a key that does not fit the certificate raises
+    ``ConfigurationError`` naming the flag (kazoo would only time out, again and again)."""
+    if not access.tls:
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_verify_locations(access.tls_ca)
+    except (OSError, ssl.SSLError) as e:
+        why = _unusable(e, "CA certificates")
+        raise ConfigurationError(f"--zk-tls-ca {access.tls_ca}: {why}") from None
+    if access.tls_cert:
+        try:
+            context.load_cert_chain(access.tls_cert, access.tls_key)
+        except (OSError, ssl.SSLError) as e:
+            why = _unusable(e, "a certificate and its key")
+            raise ConfigurationError(
+                f"--zk-tls-cert {access.tls_cert} / --zk-tls-key {access.tls_key}: {why}"
+            ) from None
+
+
+def _unusable(error: OSError, expected: str) -> str:
+    if isinstance(error, ssl.SSLError):
+        detail = error.reason or error.library or error
+        return f"cannot load {expected} from it: not PEM, or they do not match ({detail})"
+    return f"cannot read it: {error.strerror or error}"
+
+
+def tls_hint(access: ZooKeeperAccess) -> str:
+    """What to check when a TLS connection to ZooKeeper fails (kazoo says only that it
+    timed out, whatever the handshake met); empty without TLS."""
+    if not access.tls:
+        return ""
+    client = (
+        "the client certificate --zk-tls-cert must be one the servers trust"
+        if access.tls_cert
+        else "no client certificate is presented (--zk-tls-cert, --zk-tls-key): the "
+        "servers must not require one (ssl.clientAuth=none)"
+    )
+    return (
+        "; over TLS: --zookeeper must name the servers' secureClientPort, their "
+        f"certificates must be signed by the CA in --zk-tls-ca {access.tls_ca} and name "
+        f"the host dialled (hostname verification), and {client}; kazoo's warnings in "
+        "the log say what the last attempt met"
+    )

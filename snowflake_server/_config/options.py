@@ -275,6 +275,15 @@ OPTIONS: tuple[Option, ...] = (
            "Migration to ZooKeeper ACLs only: authenticate, but create znodes anyone may "
            "write and accept such ones, so nodes without credentials keep working; drop it "
            "once snowflake zk-acl has locked the tree."),
+    Option("zk_tls_ca", str,
+           "Reach ZooKeeper over TLS (its secureClientPort), trusting the servers' "
+           "certificates signed by this CA (PEM); each must name the host dialled in "
+           "--zookeeper (hostname verification is always on). Empty: plain TCP.", "FILE"),
+    Option("zk_tls_cert", str,
+           "With --zk-tls-ca: present this client certificate (PEM) to ZooKeeper, for "
+           "servers that require one (ssl.clientAuth). Read again at each reconnection: "
+           "replace the files in place to rotate it.", "FILE"),
+    Option("zk_tls_key", str, "The private key of --zk-tls-cert (PEM).", "FILE"),
     Option("max_connections", _integer,
            "Thrift connections served at once; further ones are closed at once and "
            "counted (a few more are kept for joining nodes' peer checks).", "N"),
@@ -324,7 +333,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                        "discard_corrupt_state", "first_start_wait", "host_lock_scope")),
     ("cluster", ("zookeeper", "zk_path", "advertise_host", "advertise_port", "max_peer_skew",
                  "skip_sanity_checks", "zk_session_timeout", "zk_connect_timeout",
-                 "zk_auth", "zk_credentials_file", "zk_read_acl", "zk_open_acl")),
+                 "zk_auth", "zk_credentials_file", "zk_read_acl", "zk_open_acl",
+                 "zk_tls_ca", "zk_tls_cert", "zk_tls_key")),
     ("security", ("tls_cert", "tls_key", "tls_client_ca", "web_config_file", "audit_log",
                   "audit_queue")),
     ("limits", ("max_connections", "http_max_connections", "max_frame_size", "max_batch",

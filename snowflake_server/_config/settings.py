@@ -110,7 +110,8 @@ ZK_READ_ACLS = ("world", "service")
 
 @dataclass(frozen=True, slots=True)
 class ZooKeeperAccess:
-    """Who this node is to ZooKeeper, and what the znodes it creates let others do.
+    """Who this node is to ZooKeeper, what the znodes it creates let others do, and how
+    it reaches ZooKeeper.
 
     ``auth``: ``none`` (anonymous; anyone who reaches ZooKeeper can break uniqueness),
     ``sasl`` (DIGEST-MD5) or ``digest``, as the user in ``credentials_file``.
@@ -118,16 +119,28 @@ class ZooKeeperAccess:
     without credentials; ``service``: only the service's identities). ``open_acl``:
     during a migration to ACLs, authenticate but create znodes anyone may write and
     accept such ones (see ``snowflake zk-acl``).
+
+    Over TLS when ``tls_ca`` is set (the CA that signed the servers' certificates),
+    presenting ``tls_cert`` and ``tls_key`` when both are set; the servers' certificates
+    must name the host dialled (``tls_verify_hostname``, always on from the options).
     """
 
     auth: str = "none"
     credentials_file: str = ""
     read_acl: str = "world"
     open_acl: bool = False
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_verify_hostname: bool = True
 
     @property
     def authenticated(self) -> bool:
         return self.auth != "none"
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +295,9 @@ class ServerSettings:
     zk_credentials_file: str = ""
     zk_read_acl: str = "world"
     zk_open_acl: bool = False
+    zk_tls_ca: str = ""
+    zk_tls_cert: str = ""
+    zk_tls_key: str = ""
     max_connections: int = 1000
     http_max_connections: int = 1000
     max_frame_size: int = 64 * 1024
@@ -341,6 +357,7 @@ class ServerSettings:
             )
         if (self.tls_key or self.tls_client_ca) and not self.tls_cert:
             raise ConfigurationError("tls_key and tls_client_ca need tls_cert")
+        _zk_tls(self.zk_tls_ca, self.zk_tls_cert, self.zk_tls_key)
         if self.worker_id == AUTO_WORKER_ID and not self.zookeeper:
             raise ConfigurationError("worker_id auto leases ids from ZooKeeper: give zookeeper")
         worker_id = self.worker_id
@@ -404,9 +421,12 @@ class ServerSettings:
 
     @property
     def zk_access(self) -> ZooKeeperAccess:
+        """How to reach ZooKeeper (identity, ACLs, TLS), for the cluster and anything else
+        that asks it."""
         return ZooKeeperAccess(
             auth=self.zk_auth, credentials_file=self.zk_credentials_file,
             read_acl=self.zk_read_acl, open_acl=self.zk_open_acl,
+            tls_ca=self.zk_tls_ca, tls_cert=self.zk_tls_cert, tls_key=self.zk_tls_key,
         )  # fmt: skip
 
     @property
@@ -440,6 +460,17 @@ class ServerSettings:
 
 
 _View = TypeVar("_View", WorkerSettings, ClusterSettings, ServingSettings)
+
+
+def _zk_tls(ca: str, cert: str, key: str) -> None:
+    if bool(cert) != bool(key):
+        raise ConfigurationError(
+            "zk_tls_cert and zk_tls_key go together (a client certificate and its key)"
+        )
+    if cert and not ca:
+        raise ConfigurationError(
+            "zk_tls_cert needs zk_tls_ca: TLS to ZooKeeper is on when its CA is given"
+        )
 
 
 def _machine_source(source: FromMachine, datacenter_id: int, processes: int) -> None:

@@ -35,9 +35,18 @@ from tests.support.processes import (
     start_server,
 )
 from tests.support.waiting import wait_until
-from tests.support.zookeeper import ZooKeeper
+from tests.support.zookeeper import (
+    KAZOO_TLS_SOCKETS,
+    SECURITY,
+    ZooKeeper,
+    secured_zookeeper,
+)
 
-pytestmark = [pytest.mark.zookeeper, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.zookeeper,
+    pytest.mark.slow,
+    *map(pytest.mark.filterwarnings, KAZOO_TLS_SOCKETS),
+]
 
 thrift = snowflake_thrift()
 SESSION = "3"  # seconds: short, so that expiry is quick to provoke; not so short that
@@ -45,6 +54,30 @@ SESSION = "3"  # seconds: short, so that expiry is quick to provoke; not so shor
 
 
 Start = Callable[..., ServerProcess]
+
+
+@pytest.fixture(scope="module", params=SECURITY)
+def security(request: pytest.FixtureRequest) -> str:
+    """Every test of this module runs against a plain ZooKeeper and once more against a
+    secured one (over TLS, client certificates required)."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def zookeeper(security: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeper]:
+    zk = secured_zookeeper(tmp_path_factory.mktemp("zk"), security)
+    zk.start()
+    yield zk
+    zk.stop()
+
+
+@pytest.fixture
+def own_zk(security: str, tmp_path: Path) -> Iterator[ZooKeeper]:
+    """A ZooKeeper this test may stop, restart or wipe."""
+    zk = secured_zookeeper(tmp_path / "own-zk", security)
+    zk.start()
+    yield zk
+    zk.stop()
 
 
 @pytest.fixture
@@ -57,7 +90,8 @@ def cluster(zk_path: str) -> Iterator[Callable[..., Start]]:
             server = start_server(
                 "--zookeeper", zk.hosts, "--zk-path", zk_path,
                 "--zk-session-timeout", SESSION, "--zk-connect-timeout", "5",
-                "--advertise-host", "127.0.0.1", *flags, **kwargs,  # type: ignore[arg-type]
+                "--advertise-host", "127.0.0.1", *zk.access_flags(), *flags,
+                **kwargs,  # type: ignore[arg-type]
             )  # fmt: skip
             started.append(server)
             return server
@@ -357,7 +391,7 @@ def test_clients_find_the_nodes_through_zookeeper(
 ) -> None:
     start = cluster(zookeeper)
     nodes = [start("--worker-id", "auto") for _ in range(2)]
-    with ZooKeeperDiscovery(zookeeper.hosts, zk_path) as discovery:
+    with ZooKeeperDiscovery(zookeeper.hosts, zk_path, **zookeeper.discovery_options()) as discovery:
         assert sorted(discovery()) == sorted(f"127.0.0.1:{n.port}" for n in nodes)
         with SnowflakePool(
             discovery, agent="discovered", refresh_interval=0.2, pool_size=4
@@ -377,7 +411,8 @@ def test_snowflake_get_through_zookeeper(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     node = cluster(zookeeper)("--worker-id", "9")
-    args = ["get", "--zookeeper", zookeeper.hosts, "--zk-path", zk_path, "--count", "3"]
+    args = ["get", "--zookeeper", zookeeper.hosts, "--zk-path", zk_path, "--count", "3",
+            *zookeeper.access_flags()]  # fmt: skip
     assert cli_main(args) == 0
     ids = [int(line) for line in capsys.readouterr().out.split()]
     assert len(ids) == 3 and {decompose(i).worker_id for i in ids} == {9}
@@ -428,7 +463,9 @@ def test_discovery_gives_up_within_its_timeout_when_zookeeper_goes(
     own_zk: ZooKeeper, cluster: Callable[..., Start], capsys: pytest.CaptureFixture[str]
 ) -> None:
     node = cluster(own_zk)("--worker-id", "2")
-    discovery = ZooKeeperDiscovery(own_zk.hosts, node_zk_path(node), timeout=1.0)
+    discovery = ZooKeeperDiscovery(
+        own_zk.hosts, node_zk_path(node), timeout=1.0, **own_zk.discovery_options()
+    )
     clock = SecondsClock()
     pool = SnowflakePool(discovery, refresh_interval=0.1, timeout=1.0, clock=clock)
     with discovery, pool:
@@ -440,7 +477,10 @@ def test_discovery_gives_up_within_its_timeout_when_zookeeper_goes(
         with contextlib.suppress(NoServerAvailableError):
             pool.next_id()
         assert time.monotonic() - started < 8, "no call waits for ZooKeeper to come back"
-    assert cli_main(["get", "--zookeeper", own_zk.hosts, "--timeout", "1"]) == 1
+    assert (
+        cli_main(["get", "--zookeeper", own_zk.hosts, "--timeout", "1", *own_zk.access_flags()])
+        == 1
+    )
     assert "snowflake get: server discovery failed" in capsys.readouterr().err
 
 

@@ -23,6 +23,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "expires the session (or drops the connection) as kazoo's own test harness does: "
         "a real session event, no public route in kazoo"
     ),
+    ("tests/server/test_zk_tls.py", "_call"): (
+        "drops the connection as kazoo's own test harness does, so that the client "
+        "reconnects (with the rotated certificate files) in the same session"
+    ),
     ("tests/server/test_zkmarks.py", "_call"): (
         "expires the session as kazoo's own test harness does"
     ),

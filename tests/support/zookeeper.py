@@ -6,11 +6,15 @@ from __future__ import annotations
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import trustme
+from cryptography.hazmat.primitives import serialization
 from kazoo.client import KazooClient
 from kazoo.security import make_digest_acl_credential
 
@@ -22,6 +26,9 @@ JAR = Path("/usr/share/java/zookeeper.jar")  # its manifest names the jars it ne
 # Its logs through log4j 1.2: libslf4j-java's binding and liblog4j1.2-java, both
 # dependencies of libzookeeper-java.
 LOGGING = "/usr/share/java/slf4j-log4j12.jar:/usr/share/java/log4j-1.2.jar"
+# Netty's codec: installed by libzookeeper-java's dependencies but not in zookeeper.jar's
+# manifest; without it every TLS (Netty) connection fails, and kazoo only times out.
+NETTY_CODEC = "/usr/share/java/netty-codec.jar"
 # Small and quick to start: three of these share two cores with the servers under test.
 ENSEMBLE_JVM = ("-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1")
 LOG4J = """\
@@ -30,6 +37,135 @@ log4j.appender.CONSOLE=org.apache.log4j.ConsoleAppender
 log4j.appender.CONSOLE.layout=org.apache.log4j.PatternLayout
 log4j.appender.CONSOLE.layout.ConversionPattern=%d{ISO8601} %-5p [%t:%C{1}@%L] - %m%n
 """
+
+
+SECURITY = ("plain", "tls")
+"""How the tests that run once more secured may run their ZooKeeper: as it is, or over
+TLS (client certificates required); :func:`secured_zookeeper` builds each."""
+
+# kazoo leaves the TLS socket of a failed connection attempt (refused, or a failed
+# handshake) to the garbage collector (kazoo/handlers/utils.py, create_tcp_connection):
+# CPython closes it at once, with a ResourceWarning. Modules whose own clients meet a
+# TLS ZooKeeper that is down, or that refuses them, expect it (pytest.mark.filterwarnings).
+KAZOO_TLS_SOCKETS = (
+    "ignore:Exception ignored in. <ssl.SSLSocket:pytest.PytestUnraisableExceptionWarning",
+    "ignore:unclosed <ssl.SSLSocket:ResourceWarning",
+)
+
+
+def secured_zookeeper(directory: Path, security: str, **kwargs: Any) -> ZooKeeper:
+    """A ZooKeeper (not started) in ``directory``, secured as ``security`` (one of
+    :data:`SECURITY`) says; its :meth:`~ZooKeeper.client`, :meth:`~ZooKeeper.node_flags`,
+    :meth:`~ZooKeeper.access_flags` and :meth:`~ZooKeeper.discovery_options` follow."""
+    assert security in SECURITY, security
+    tls = ZkTls.make(directory / "tls") if security == "tls" else None
+    return ZooKeeper(directory / "zk", tls=tls, **kwargs)
+
+
+ClientAuth = Literal["need", "want", "none"]
+
+
+@dataclass(frozen=True)
+class ZkTls:
+    """Certificates for a TLS ZooKeeper, made by the test (trustme) in ``directory``.
+
+    The servers' certificate names ``hosts``; one CA signs it and the client's, and the
+    servers trust that CA for client certificates (``client_auth``: ZooKeeper's
+    ``ssl.clientAuth``; ``need`` refuses a client without one). ``trusted_ca`` is the
+    CA file clients trust: the signing one unless the test made another.
+    """
+
+    directory: Path
+    client_auth: ClientAuth
+    ca: Path
+    server_keystore: Path
+    server_truststore: Path
+    client_cert: Path
+    client_key: Path
+    authority: trustme.CA = field(compare=False)
+    """The CA that signed the certificates (to issue more)."""
+
+    @classmethod
+    def make(
+        cls,
+        directory: Path,
+        hosts: Sequence[str] = ("127.0.0.1",),
+        client_auth: ClientAuth = "need",
+        client_hosts: Sequence[str] = ("127.0.0.1", "localhost"),
+    ) -> ZkTls:
+        directory.mkdir(parents=True, exist_ok=True)
+        ca = trustme.CA()
+        server = ca.issue_cert(*hosts)
+        client = ca.issue_cert(*client_hosts)
+        tls = cls(
+            directory=directory,
+            client_auth=client_auth,
+            ca=directory / "ca.pem",
+            server_keystore=directory / "server.pem",
+            server_truststore=directory / "server-trust.pem",
+            client_cert=directory / "client.pem",
+            client_key=directory / "client-key.pem",
+            authority=ca,
+        )
+        ca.cert_pem.write_to_path(str(tls.ca))
+        ca.cert_pem.write_to_path(str(tls.server_truststore))
+        # ZooKeeper's PEM keystore: the chain and a PKCS#8 key (a PKCS#1 or SEC1 key,
+        # as trustme writes them, fails to load).
+        chain = b"".join(blob.bytes() for blob in server.cert_chain_pems)
+        tls.server_keystore.write_bytes(chain + pkcs8(server.private_key_pem.bytes()))
+        write_client(tls, client)
+        return tls
+
+    def with_ca(self, ca: Path) -> ZkTls:
+        """The same, with clients trusting ``ca`` instead (an untrusted server)."""
+        return replace(self, ca=ca)
+
+    def without_client_cert(self) -> ZkTls:
+        return replace(self, client_cert=Path(), client_key=Path())
+
+    @property
+    def presents_cert(self) -> bool:
+        return self.client_cert != Path()
+
+    def client_options(self) -> dict[str, Any]:
+        """kazoo's TLS arguments as the server passes them (hostname verification on)."""
+        return {
+            "use_ssl": True, "ca": str(self.ca), "verify_certs": True, "check_hostname": True,
+            "certfile": str(self.client_cert) if self.presents_cert else None,
+            "keyfile": str(self.client_key) if self.presents_cert else None,
+        }  # fmt: skip
+
+    def node_flags(self) -> tuple[str, ...]:
+        cert = ("--zk-tls-cert", str(self.client_cert), "--zk-tls-key", str(self.client_key))
+        return ("--zk-tls-ca", str(self.ca), *(cert if self.presents_cert else ()))
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A client context of these certificates (for 4-letter words on the TLS port)."""
+        context = ssl.create_default_context(cafile=str(self.ca))
+        if self.presents_cert:
+            context.load_cert_chain(str(self.client_cert), str(self.client_key))
+        return context
+
+
+def pkcs8(key_pem: bytes) -> bytes:
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def write_client(tls: ZkTls, cert: trustme.LeafCert) -> None:
+    """Put ``cert`` in ``tls``'s client certificate files (replaced whole, each at once:
+    a reconnection in between reads one or the other, never half a file)."""
+    for path, blob in (
+        (tls.client_cert, b"".join(b.bytes() for b in cert.cert_chain_pems)),
+        (tls.client_key, pkcs8(cert.private_key_pem.bytes())),
+    ):
+        partial = path.with_suffix(".new")
+        partial.write_bytes(blob)
+        partial.replace(path)
 
 
 class ZooKeeper:
@@ -49,13 +185,17 @@ class ZooKeeper:
         *,
         sasl_users: dict[str, str] | None = None,
         super_password: str | None = None,
+        tls: ZkTls | None = None,
     ) -> None:
+        """``tls``: serve clients over TLS only (``secureClientPort``, Netty) with its
+        certificates; :meth:`client` and :meth:`node_flags` then use them too."""
         _installed()
         self.sasl_users = dict(sasl_users or {})
         self.super_password = super_password
         self.directory = directory
         self.port = free_port()
         self.hosts = f"127.0.0.1:{self.port}"
+        self.tls = tls
         self._tick_ms = tick_ms
         self._max_session_timeout_ms = max_session_timeout_ms
         self._process: subprocess.Popen[bytes] | None = None
@@ -63,12 +203,17 @@ class ZooKeeper:
     def start(self, timeout_s: float = 30.0) -> None:
         config = _config(
             self.directory, self._tick_ms, "127.0.0.1", self.port,
-            max_session_ms=self._max_session_timeout_ms,
+            max_session_ms=self._max_session_timeout_ms, tls=self.tls,
         )  # fmt: skip
         lines, jvm = _auth_config(self.directory, self.sasl_users, self.super_password)
-        self._process = _launch(self.directory, config + lines, jvm=jvm)
-        # Ready when a client gets a session: kazoo retries until then.
-        client = self.client()
+        self._process = _launch(self.directory, config + lines, jvm=jvm, tls=self.tls is not None)
+        if self.tls is not None:
+            # kazoo leaves the socket of a refused TLS attempt to the garbage collector
+            # (a ResourceWarning in the test): dial only once the port listens.
+            wait_until(lambda: _listens(self.port), "ZooKeeper's TLS port listens", timeout_s)
+        # Ready when a client gets a session: kazoo retries until then. (Whatever
+        # host its certificate names: some tests give it another host's.)
+        client = self.client(check_hostname=False) if self.tls is not None else self.client()
         try:
             client.start(timeout=timeout_s)
         finally:
@@ -76,8 +221,10 @@ class ZooKeeper:
             client.close()
 
     def client(self, **options: Any) -> KazooClient:
-        """A client of this ZooKeeper (not started); ``options`` go to ``KazooClient``."""
-        return KazooClient(hosts=self.hosts, timeout=10.0, **options)
+        """A client of this ZooKeeper (not started): TLS with the test's client certificate
+        if the server speaks TLS; ``options`` go to ``KazooClient`` (over those)."""
+        tls = self.tls.client_options() if self.tls is not None else {}
+        return KazooClient(hosts=self.hosts, timeout=10.0, **{**tls, **options})
 
     @property
     def pid(self) -> int | None:
@@ -90,8 +237,22 @@ class ZooKeeper:
         return (
             "--zookeeper", self.hosts, "--zk-path", zk_path,
             "--zk-session-timeout", session_timeout, "--zk-connect-timeout", "5",
-            "--advertise-host", "127.0.0.1",
+            "--advertise-host", "127.0.0.1", *self.access_flags(),
         )  # fmt: skip
+
+    def access_flags(self) -> tuple[str, ...]:
+        """The flags a node (or ``snowflake get``) needs to reach this ZooKeeper as it is
+        secured: none for a plain one, ``--zk-tls-*`` for TLS."""
+        return self.tls.node_flags() if self.tls is not None else ()
+
+    def discovery_options(self) -> dict[str, Any]:
+        """``ZooKeeperDiscovery``'s keyword arguments to reach this ZooKeeper."""
+        if self.tls is None:
+            return {}
+        options: dict[str, Any] = {"tls_ca": str(self.tls.ca)}
+        if self.tls.presents_cert:
+            options |= {"tls_cert": str(self.tls.client_cert), "tls_key": str(self.tls.client_key)}
+        return options
 
     def stop(self) -> None:
         if self._process is not None and self._process.poll() is None:
@@ -105,20 +266,40 @@ class ZooKeeper:
         shutil.rmtree(self.directory / "data")
 
 
+def _listens(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 def _installed() -> None:
     assert JAR.exists(), "ZooKeeper (Debian's libzookeeper-java) is installed by `make test`"
     assert shutil.which("java"), "java (Debian's default-jdk-headless) is installed by `make test`"
 
 
-def _config(directory: Path, tick_ms: int, address: str, port: int, max_session_ms: int) -> str:
-    """zoo.cfg's lines common to a standalone server and a member of an ensemble."""
+def _config(
+    directory: Path,
+    tick_ms: int,
+    address: str,
+    port: int,
+    max_session_ms: int,
+    tls: ZkTls | None = None,
+) -> str:
+    """zoo.cfg's lines common to a standalone server and a member of an ensemble: its
+    clients on ``address``:``port``, over TLS only with ``tls``."""
     data = directory / "data"
     data.mkdir(parents=True, exist_ok=True)
+    clients = (
+        f"clientPort={port}\nclientPortAddress={address}\n"
+        if tls is None
+        else _tls_config(tls, address, port)
+    )
     return (
         f"tickTime={tick_ms}\n"
         f"dataDir={data}\n"
-        f"clientPort={port}\n"
-        f"clientPortAddress={address}\n"
+        f"{clients}"
         "admin.enableServer=false\n"
         f"maxSessionTimeout={max_session_ms}\n"
     )
@@ -147,18 +328,42 @@ def _auth_config(
     return lines, tuple(jvm)
 
 
+def _tls_config(tls: ZkTls, address: str, port: int) -> str:
+    """zoo.cfg's lines for clients over TLS only: Netty's secure port, PEM stores."""
+    return (
+        f"secureClientPort={port}\n"
+        f"secureClientPortAddress={address}\n"
+        "serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory\n"
+        f"ssl.keyStore.location={tls.server_keystore}\n"
+        "ssl.keyStore.type=PEM\n"
+        f"ssl.trustStore.location={tls.server_truststore}\n"
+        "ssl.trustStore.type=PEM\n"
+        f"ssl.clientAuth={tls.client_auth}\n"
+        # ACLs of the x509 scheme (a client certificate's subject) are valid only with
+        # its provider registered; the secure port authenticates each connection by it.
+        "authProvider.x509=org.apache.zookeeper.server.auth.X509AuthenticationProvider\n"
+    )
+
+
 def _launch(
-    directory: Path, config: str, wrapper: Sequence[str] = (), jvm: Sequence[str] = ()
+    directory: Path,
+    config: str,
+    wrapper: Sequence[str] = (),
+    jvm: Sequence[str] = (),
+    *,
+    tls: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start the server of ``config`` (zoo.cfg's text) logging to zookeeper.log in
-    ``directory``; ``wrapper`` goes before ``java`` (a namespace's), ``jvm`` after it."""
+    ``directory``; ``wrapper`` goes before ``java`` (a namespace's), ``jvm`` after it;
+    ``tls``: Netty's codec on the class path."""
     path = directory / "zoo.cfg"
     path.write_text(config)
     # Its log configuration, in a directory on the class path: to the log file.
     (directory / "log4j.properties").write_text(LOG4J)
+    classpath = f"{directory}:{JAR}:{LOGGING}" + (f":{NETTY_CODEC}" if tls else "")
     with (directory / "zookeeper.log").open("ab") as log:
         return subprocess.Popen(
-            [*wrapper, "java", *jvm, "-cp", f"{directory}:{JAR}:{LOGGING}",
+            [*wrapper, "java", *jvm, "-cp", classpath,
              "org.apache.zookeeper.server.quorum.QuorumPeerMain", str(path)],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip

@@ -28,7 +28,12 @@ __all__ = ["ZooKeeperDiscovery"]
 
 
 class ZooKeeperDiscovery(Closing):
-    """The nodes registered in ZooKeeper (all datacenters, or only ``datacenter``)."""
+    """The nodes registered in ZooKeeper (all datacenters, or only ``datacenter``).
+
+    ``tls_ca``: reach ZooKeeper over TLS, trusting servers signed by this CA (PEM),
+    whose certificates must name the host dialled; ``tls_cert`` and ``tls_key``: the
+    client certificate to present, for servers that require one (as the server's
+    ``--zk-tls-*``)."""
 
     def __init__(
         self,
@@ -39,6 +44,9 @@ class ZooKeeperDiscovery(Closing):
         timeout: float = 5.0,
         auth: str = "none",
         credentials_file: str = "",
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
     ) -> None:
         try:
             import kazoo  # noqa: F401 - an optional dependency: say so at once, not at first use
@@ -53,6 +61,17 @@ class ZooKeeperDiscovery(Closing):
         self._root = f"{zk_path}/nodes"
         self._datacenter = datacenter
         self._timeout = timeout
+        if bool(tls_cert) != bool(tls_key) or (tls_cert and not tls_ca):
+            raise ConfigurationError(
+                "tls_cert and tls_key go together, and need tls_ca (TLS is on when it is given)"
+            )
+        self._tls: dict[str, Any] = {}
+        if tls_ca:
+            # kazoo checks no host name by default: a certificate for any host would do.
+            self._tls = {
+                "use_ssl": True, "ca": tls_ca, "certfile": tls_cert or None,
+                "keyfile": tls_key or None, "verify_certs": True, "check_hostname": True,
+            }  # fmt: skip
         self._client: Any = None
         self._lock = threading.Lock()
 
@@ -64,7 +83,11 @@ class ZooKeeperDiscovery(Closing):
                 from kazoo.client import KazooClient
 
                 client = KazooClient(
-                    hosts=self._hosts, timeout=self._timeout, read_only=True, **self._auth
+                    hosts=self._hosts,
+                    timeout=self._timeout,
+                    read_only=True,
+                    **self._auth,
+                    **self._tls,
                 )
                 try:
                     client.start(timeout=self._timeout)
