@@ -4,6 +4,7 @@
     snowflake decode [ID ... | -] [--json]
     snowflake zk-acl --zookeeper HOSTS --zk-auth {sasl,digest} --zk-credentials-file FILE
                      [--zk-path PATH] [--zk-read-acl {world,service}] [--dry-run]
+                     [--zk-tls-ca FILE [--zk-tls-cert FILE --zk-tls-key FILE]]
 
 ``--json`` prints ids as strings: they exceed JavaScript's 2^53. ``decode`` with no ID,
 or with ``-``, reads ids from standard input; it decodes every id it can and exits 2
@@ -72,12 +73,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     get.add_argument("--zk-path", default="/snowflake-servers",
                      help="ZooKeeper path of the cluster (default /snowflake-servers)")  # fmt: skip
-    for flag, what in (
-        ("--zk-tls-ca", "reach ZooKeeper over TLS, trusting this CA (PEM), as the server's flag"),
-        ("--zk-tls-cert", "client certificate (PEM) to present to ZooKeeper"),
-        ("--zk-tls-key", "the key of --zk-tls-cert (PEM)"),
-    ):
-        get.add_argument(flag, default="", metavar="FILE", help=what)
+    get.add_argument("--zk-auth", choices=("none", "sasl", "digest"), default="none",
+                     help="how to authenticate to ZooKeeper, as the nodes do "
+                     "(default none)")  # fmt: skip
+    get.add_argument("--zk-credentials-file", default="", metavar="FILE",
+                     help="ZooKeeper credentials (chmod 600), as the nodes have them")  # fmt: skip
+    _zk_tls_flags(get)
     get.add_argument("--host", help="server address (default 127.0.0.1), instead of --server")
     get.add_argument("--port", type=int, help=f"server port (default {DEFAULT_PORT})")
     get.add_argument("--transport", choices=("framed", "buffered"), default="framed",
@@ -121,6 +122,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      "them")  # fmt: skip
     acl.add_argument("--zk-read-acl", choices=("world", "service"), default="world",
                      help="who may read the znodes (default world)")  # fmt: skip
+    _zk_tls_flags(acl)
     acl.add_argument("--dry-run", action="store_true", help="print the changes, make none")
     acl.add_argument("--timeout", type=_seconds, default=10.0,
                      help="seconds to connect, and to read and change the ACLs "
@@ -191,13 +193,24 @@ def _get(args: argparse.Namespace, servers: list[tuple[str, int]]) -> int:
         if not args.zookeeper:
             return _get_from(args, servers)
         with ZooKeeperDiscovery(
-            args.zookeeper, args.zk_path, timeout=args.timeout, tls_ca=args.zk_tls_ca,
+            args.zookeeper, args.zk_path, timeout=args.timeout, auth=args.zk_auth,
+            credentials_file=args.zk_credentials_file, tls_ca=args.zk_tls_ca,
             tls_cert=args.zk_tls_cert, tls_key=args.zk_tls_key,
         ) as found:  # fmt: skip
             return _get_from(args, found)
     finally:
         for logger, level in zip(quiet, levels, strict=True):
             logger.setLevel(level)
+
+
+def _zk_tls_flags(command: argparse.ArgumentParser) -> None:
+    """The ``--zk-tls-*`` flags, as the server's: every command that reaches ZooKeeper."""
+    for flag, what in (
+        ("--zk-tls-ca", "reach ZooKeeper over TLS, trusting this CA (PEM), as the server's flag"),
+        ("--zk-tls-cert", "client certificate (PEM) to present to ZooKeeper"),
+        ("--zk-tls-key", "the key of --zk-tls-cert (PEM)"),
+    ):
+        command.add_argument(flag, default="", metavar="FILE", help=what)
 
 
 def _get_from(args: argparse.Namespace, servers: list[tuple[str, int]] | Discovery) -> int:
@@ -239,7 +252,10 @@ def _zk_acl(args: argparse.Namespace) -> int:
     from ._config.settings import ZooKeeperAccess
     from ._errors import StartupDeferred
 
-    access = ZooKeeperAccess(args.zk_auth, args.zk_credentials_file, args.zk_read_acl)
+    access = ZooKeeperAccess(
+        args.zk_auth, args.zk_credentials_file, args.zk_read_acl,
+        tls_ca=args.zk_tls_ca, tls_cert=args.zk_tls_cert, tls_key=args.zk_tls_key,
+    )  # fmt: skip
     acl = service_acl(access, load_credentials(access.credentials_file))
     client = KazooClient(hosts=args.zookeeper, timeout=args.timeout, **client_options(access))
     try:

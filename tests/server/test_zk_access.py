@@ -28,7 +28,7 @@ from tests.server.test_membership import (  # noqa: F401 - fixtures
     member,
     own_zookeeper,
 )
-from tests.support.zookeeper import ZooKeeper
+from tests.support.zookeeper import KAZOO_TLS_SOCKETS, ZkTls, ZooKeeper
 
 pytestmark = pytest.mark.zookeeper
 
@@ -175,7 +175,10 @@ def test_with_service_read_others_cannot_even_read(
     file = credentials(tmp_path, "snowflake", USERS["snowflake"])
     with ZooKeeperDiscovery(sasl_zk.hosts, zk_path, auth="sasl", credentials_file=file) as found:
         assert len(found()) == 1
-    with ZooKeeperDiscovery(sasl_zk.hosts, zk_path) as anonymous, pytest.raises(NoAuthError):
+    with (
+        ZooKeeperDiscovery(sasl_zk.hosts, zk_path) as anonymous,
+        pytest.raises(ConfigurationError, match="their ACL lets only the service read"),
+    ):
         anonymous()
 
 
@@ -354,3 +357,52 @@ def test_describe_acl_hides_digest_hashes() -> None:
     assert describe_acl([ACL(Permissions.ALL, digest), WORLD_READ]) == (
         "digest:svc=ALL, world:anyone=READ"
     )
+
+
+def test_snowflake_get_finds_the_nodes_with_the_service_s_credentials(
+    member: Make,  # noqa: F811
+    sasl_zk: ZooKeeper,
+    zk_path: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With --zk-read-acl service only the service reads the registrations: `snowflake get`
+    takes its credentials as the nodes do (here the node registered listens nowhere, so the
+    call fails at its address: discovery found it)."""
+    node = service_node(member, sasl_zk, tmp_path, worker_id=5, zk_read_acl="service").join()
+    file = credentials(tmp_path, "snowflake", USERS["snowflake"])
+    find = ["get", "--zookeeper", sasl_zk.hosts, "--zk-path", zk_path, "--timeout", "1"]
+    assert snowflake([*find, "--zk-auth", "sasl", "--zk-credentials-file", file]) == 1
+    assert node.address in capsys.readouterr().err, "the registered node was tried"
+    assert snowflake(find) == 1
+    anonymous = capsys.readouterr().err
+    assert node.address not in anonymous and "their ACL lets only the service read" in anonymous
+
+
+@pytest.mark.filterwarnings(*KAZOO_TLS_SOCKETS)
+def test_the_migration_command_reaches_an_ensemble_over_tls_with_sasl(
+    tmp_path: Path, zk_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An ensemble that speaks only TLS (and SASL): `snowflake zk-acl` takes the same
+    --zk-tls-* flags as the nodes, and locks the tree through it."""
+    tls = ZkTls.make(tmp_path / "tls")
+    zk = ZooKeeper(tmp_path / "zk", sasl_users=USERS, tls=tls)
+    zk.start()
+    try:
+        client = zk.client()
+        client.start(timeout=10)
+        try:
+            client.create(f"{zk_path}/nodes/0/1", b"10.0.0.1:7609", makepath=True)
+            file = credentials(tmp_path, "snowflake", USERS["snowflake"])
+            command = ["zk-acl", "--zookeeper", zk.hosts, "--zk-path", zk_path, "--zk-auth",
+                       "sasl", "--zk-credentials-file", file, *tls.node_flags()]  # fmt: skip
+            assert snowflake(command) == 0, capsys.readouterr().err
+            assert "changed 4 znodes" in capsys.readouterr().out
+            assert client.get_acls(f"{zk_path}/nodes/0/1")[0] == [ALL_SERVICE, WORLD_READ]
+            with pytest.raises(NoAuthError):
+                client.delete(f"{zk_path}/nodes/0/1")
+        finally:
+            client.stop()
+            client.close()
+    finally:
+        zk.stop()

@@ -97,6 +97,20 @@ class ZooKeeperDiscovery(Closing):
                     raise
                 self._client = client
             client = self._client
+        from kazoo.exceptions import NoAuthError
+
+        try:
+            return self._registered(client)
+        except NoAuthError:
+            # kazoo's NoAuthError says nothing in words: this is the one cause.
+            raise ConfigurationError(
+                f"ZooKeeper refused to let this client read the registrations under "
+                f"{self._root}: their ACL lets only the service read (--zk-read-acl "
+                "service); give ZooKeeperDiscovery the service's credentials (auth=, "
+                "credentials_file=)"
+            ) from None
+
+    def _registered(self, client: Any) -> list[str]:
         from kazoo.exceptions import NoNodeError
 
         found = []
