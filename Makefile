@@ -129,6 +129,7 @@ SAFETY_MODULES := snowflake_server/_ids/generator.py snowflake_server/_state/sta
 	snowflake_server/_cluster/gate.py snowflake_server/_cluster/lease.py \
 	snowflake_server/_cluster/layout_record.py snowflake_server/_cluster/slot.py \
 	snowflake_server/_cluster/session.py snowflake_server/_ids/layouts.py \
+	snowflake_server/_cluster/access.py snowflake_server/_http/webconfig.py \
 	snowflake_server/_cluster/peers.py snowflake_server/_serving/server.py \
 	snowflake_server/_thrift/processor.py snowflake_server/_service.py snowflake_server/_serving/connection.py \
 	snowflake_server/_serving/fairness.py snowflake_server/_thrift/protocol.py \
