@@ -59,7 +59,9 @@ Start = Callable[..., ServerProcess]
 @pytest.fixture(scope="module", params=SECURITY)
 def security(request: pytest.FixtureRequest) -> str:
     """Every test of this module runs against a plain ZooKeeper and once more against a
-    secured one (over TLS, client certificates required)."""
+    secured one: nodes log in by SASL and their znodes carry the service's ACL, over TLS
+    with client certificates required. The test's own clients (playing operators and
+    other nodes) log in as the service too."""
     return str(request.param)
 
 
@@ -125,6 +127,9 @@ def test_three_auto_nodes_lease_distinct_ids(
         registered = {
             worker: zk.get(f"{zk_path}/nodes/0/{worker}")[0].decode() for worker in workers
         }
+        for worker in workers:  # secured: only the service may write them
+            acl = zk.get_acls(f"{zk_path}/nodes/0/{worker}")[0]
+            assert zookeeper.service is None or acl == zookeeper.service.acl(), acl
     finally:
         zk.stop()
         zk.close()
@@ -412,7 +417,7 @@ def test_snowflake_get_through_zookeeper(
 ) -> None:
     node = cluster(zookeeper)("--worker-id", "9")
     args = ["get", "--zookeeper", zookeeper.hosts, "--zk-path", zk_path, "--count", "3",
-            *zookeeper.access_flags()]  # fmt: skip
+            *zookeeper.tls_flags()]  # fmt: skip
     assert cli_main(args) == 0
     ids = [int(line) for line in capsys.readouterr().out.split()]
     assert len(ids) == 3 and {decompose(i).worker_id for i in ids} == {9}
@@ -478,8 +483,7 @@ def test_discovery_gives_up_within_its_timeout_when_zookeeper_goes(
             pool.next_id()
         assert time.monotonic() - started < 8, "no call waits for ZooKeeper to come back"
     assert (
-        cli_main(["get", "--zookeeper", own_zk.hosts, "--timeout", "1", *own_zk.access_flags()])
-        == 1
+        cli_main(["get", "--zookeeper", own_zk.hosts, "--timeout", "1", *own_zk.tls_flags()]) == 1
     )
     assert "snowflake get: server discovery failed" in capsys.readouterr().err
 

@@ -11,8 +11,10 @@ once the fault ends. Each prints a ``NEMESIS`` line: ``pytest -s tests/nemesis |
 NEMESIS``. How it works: CONTRIBUTING.md, "The partition nemesis".
 
 The ensemble grants sessions of at most 3 s while the nodes ask for 4 s, as an
-ensemble with a lower ``maxSessionTimeout`` does (issue 15). The namespaces need root:
-where the machine refuses them, the tests fail saying why (they never skip).
+ensemble with a lower ``maxSessionTimeout`` does (issue 15). Every scenario runs twice:
+against a plain ensemble, and with auth and TLS on (``/sasl+tls`` in its line). The
+namespaces need root: where the machine refuses them, the tests fail saying why (they
+never skip).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from tests.support.nemesis import (
 )
 from tests.support.netns import Network, portal
 from tests.support.processes import FakeTime
-from tests.support.zookeeper import ZooKeeperEnsemble
+from tests.support.zookeeper import SECURITY, ZooKeeperEnsemble
 
 pytestmark = [pytest.mark.nemesis, pytest.mark.zookeeper, pytest.mark.slow]
 
@@ -45,14 +47,18 @@ def network() -> Iterator[Network]:
         yield net
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=SECURITY)
 def ensemble(
-    network: Network, tmp_path_factory: pytest.TempPathFactory
+    network: Network, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[ZooKeeperEnsemble]:
+    """Every scenario runs against a plain ensemble and once more against a secured one:
+    the nodes and the recorder log in by SASL, their znodes carry the service's ACL,
+    and clients speak TLS (client certificates required) to every member."""
     with portal(network[CLIENT]) as door:
         zk = ZooKeeperEnsemble(
-            tmp_path_factory.mktemp("ensemble"), [network[n] for n in ZOOKEEPERS], door
-        )
+            tmp_path_factory.mktemp("ensemble"), [network[n] for n in ZOOKEEPERS], door,
+            security=str(request.param),
+        )  # fmt: skip
         try:
             zk.start()
             yield zk

@@ -324,14 +324,27 @@ BASELINE = 200  # ids from every node before a fault, and again after it ends
 
 
 def node_flags(host: Host, ensemble: ZooKeeperEnsemble, zk_path: str) -> list[str]:
-    """A node in ``host``'s namespace, on its own address, leasing its worker id."""
+    """A node in ``host``'s namespace, on its own address, leasing its worker id,
+    reaching the ensemble as it is secured."""
     return [
         "--zookeeper", ensemble.hosts, "--zk-path", zk_path, "--worker-id", "auto",
         "--host", host.address, "--advertise-host", host.address,
         "--metrics-host", host.address,
         "--port", str(THRIFT_PORT), "--metrics-port", str(ADMIN_PORT),
         "--zk-session-timeout", f"{SESSION_S:g}", "--zk-connect-timeout", "10",
+        *ensemble.access_flags(),
     ]  # fmt: skip
+
+
+def load_zk_config(ensemble: ZooKeeperEnsemble) -> dict[str, Any]:
+    """How ``nemesis_load.py`` reaches ``ensemble``: as the nodes do (JSON)."""
+    config: dict[str, Any] = {"zk_auth": "none", "zk_tls": {}}
+    if ensemble.tls is not None:
+        config["zk_tls"] = ensemble.tls.client_options()
+    if ensemble.service is not None:
+        config["zk_auth"] = "sasl"
+        config["zk_credentials_file"] = str(ensemble.service.credentials_file)
+    return config
 
 
 class Recorder:
@@ -364,6 +377,7 @@ class Recorder:
             "datacenter": 0,
             "zk_session_s": 10.0,
             "claim": claim,
+            **load_zk_config(ensemble),
         }
         path = directory / "load.json"
         path.write_text(json.dumps(config))
@@ -440,8 +454,10 @@ class Scenario:
             self.start(name)
 
     def record(self, name: str, *, claim: bool) -> None:
-        """Start the load of the scenario ``name``, and wait until every node serves."""
-        self.name = name
+        """Start the load of the scenario ``name`` (``/sasl+tls`` added when the ensemble
+        is secured so), and wait until every node serves."""
+        secured = self.ensemble.security != "plain"
+        self.name = f"{name}/{self.ensemble.security}" if secured else name
         self.recorder = Recorder(
             self.network[CLIENT], self.directory / "load", [self.network[n] for n in NODES],
             self.ensemble, self.zk_path, claim=claim,

@@ -12,7 +12,9 @@ never outlives a run. Standalone (no import from ``tests``): it runs as a script
 With ``claim`` set, a registration that vanishes from ``<zk_path>/nodes/<dc>`` is taken
 at once by this process's own ZooKeeper session, as another node leasing that worker
 id would: from then on, ids of that worker id from the node that held it are
-duplicates in waiting, which the test looks for.
+duplicates in waiting, which the test looks for. Against a secured ensemble
+(``zk_auth`` sasl, ``zk_tls``: kazoo's TLS arguments) it logs in as the service, as a
+node would, and gives its claims the service's ACL.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from typing import IO, Any
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.security import make_acl
 from snowflake_thrift_client._transports import open_client
+from snowflake_thrift_client._zkauth import kazoo_auth, load_credentials
 from thriftpy2.protocol.exc import TProtocolException
 from thriftpy2.thrift import TException
 from thriftpy2.transport import TTransportException
@@ -118,7 +122,9 @@ class Registrations:
         self._out = out
         self._stop = stop
         self._changed = threading.Event()
-        self._client = KazooClient(hosts=config["zookeeper"], timeout=config["zk_session_s"])
+        self._client = KazooClient(
+            hosts=config["zookeeper"], timeout=config["zk_session_s"], **zk_options(config)
+        )
         self._client.add_listener(self._on_state)
 
     def _on_state(self, state: str) -> None:
@@ -180,6 +186,22 @@ class Registrations:
         self._out.write(k="claim", worker=int(worker), holder=holder, gone=gone, t0=t0,
                         t1=time.monotonic(), ok=ok, err=err)  # fmt: skip
         self._changed.set()
+
+
+def zk_options(config: dict[str, Any]) -> dict[str, Any]:
+    """kazoo's arguments to reach the ensemble as the nodes do: TLS, and the service's
+    SASL login and ACL (a claim open to anyone would make a node refuse to start)."""
+    options = dict(config.get("zk_tls") or {})
+    auth = config.get("zk_auth", "none")
+    if auth != "none":
+        assert auth == "sasl", auth
+        credentials = load_credentials(config["zk_credentials_file"])
+        options.update(kazoo_auth(auth, credentials))
+        options["default_acl"] = [
+            make_acl("sasl", credentials.user, all=True),
+            make_acl("world", "anyone", read=True),
+        ]
+    return options
 
 
 def main() -> None:

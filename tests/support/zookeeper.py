@@ -3,6 +3,8 @@ loopback port, or an ensemble of three in network namespaces of their own."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import signal
 import socket
@@ -16,7 +18,7 @@ from typing import Any, Literal
 import trustme
 from cryptography.hazmat.primitives import serialization
 from kazoo.client import KazooClient
-from kazoo.security import make_digest_acl_credential
+from kazoo.security import ACL, make_acl, make_digest_acl_credential
 
 from tests.support.endpoints import free_port
 from tests.support.netns import Host, Portal
@@ -39,9 +41,13 @@ log4j.appender.CONSOLE.layout.ConversionPattern=%d{ISO8601} %-5p [%t:%C{1}@%L] -
 """
 
 
-SECURITY = ("plain", "tls")
-"""How the tests that run once more secured may run their ZooKeeper: as it is, or over
-TLS (client certificates required); :func:`secured_zookeeper` builds each."""
+SECURITY = ("plain", "sasl+tls")
+"""How the tests that run once more secured may run their ZooKeeper: as it is, or with
+auth and TLS on together (SASL DIGEST-MD5 users, ACLs of the service's identity on
+every znode it makes, clients over TLS with certificates required);
+:func:`secured_zookeeper` builds each."""
+
+SERVICE_USER = "snowflake"
 
 # kazoo leaves the TLS socket of a failed connection attempt (refused, or a failed
 # handshake) to the garbage collector (kazoo/handlers/utils.py, create_tcp_connection):
@@ -58,8 +64,55 @@ def secured_zookeeper(directory: Path, security: str, **kwargs: Any) -> ZooKeepe
     :data:`SECURITY`) says; its :meth:`~ZooKeeper.client`, :meth:`~ZooKeeper.node_flags`,
     :meth:`~ZooKeeper.access_flags` and :meth:`~ZooKeeper.discovery_options` follow."""
     assert security in SECURITY, security
-    tls = ZkTls.make(directory / "tls") if security == "tls" else None
-    return ZooKeeper(directory / "zk", tls=tls, **kwargs)
+    if security == "plain":
+        return ZooKeeper(directory / "zk", **kwargs)
+    return ZooKeeper(
+        directory / "zk",
+        tls=ZkTls.make(directory / "tls"),
+        service=ServiceIdentity.make(directory / "service"),
+        **kwargs,
+    )
+
+
+@dataclass(frozen=True)
+class ServiceIdentity:
+    """The service's SASL (DIGEST-MD5) identity in a secured ZooKeeper: a user of its
+    JAAS file with a random password, and the credentials file a node reads it from
+    (mode 600, as a node demands)."""
+
+    user: str
+    password: str = field(repr=False)
+    credentials_file: Path
+
+    @classmethod
+    def make(cls, directory: Path, user: str = SERVICE_USER) -> ServiceIdentity:
+        directory.mkdir(parents=True, exist_ok=True)
+        identity = cls(user, secrets.token_urlsafe(18), directory / f"{user}.cred")
+        # Created 600, never open to others even for an instant.
+        fd = os.open(identity.credentials_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as file:
+            file.write(f"user = {user}\npassword = {identity.password}\n")
+        return identity
+
+    def node_flags(self) -> tuple[str, ...]:
+        return ("--zk-auth", "sasl", "--zk-credentials-file", str(self.credentials_file))
+
+    def discovery_options(self) -> dict[str, Any]:
+        return {"auth": "sasl", "credentials_file": str(self.credentials_file)}
+
+    def acl(self) -> list[ACL]:
+        """The ACL a node gives its znodes by default (``--zk-read-acl world``)."""
+        return [make_acl("sasl", self.user, all=True), make_acl("world", "anyone", read=True)]
+
+    def client_options(self) -> dict[str, Any]:
+        """kazoo's arguments to act as the service: its SASL login, and its ACL on every
+        znode made (a znode open to anyone would make the next node refuse to start)."""
+        return {
+            "sasl_options": {
+                "mechanism": "DIGEST-MD5", "username": self.user, "password": self.password,
+            },
+            "default_acl": self.acl(),
+        }  # fmt: skip
 
 
 ClientAuth = Literal["need", "want", "none"]
@@ -175,7 +228,9 @@ class ZooKeeper:
     ``sasl_users`` ({name: password}) turns SASL DIGEST-MD5 on (a JAAS file of these
     users; not required of clients, so anonymous and digest clients connect too);
     ``super_password`` makes ``super`` a digest superuser (the break-glass identity).
-    Both are read at each :meth:`start`: change them and restart to rotate."""
+    Both are read at each :meth:`start`: change them and restart to rotate. ``service``
+    adds its user to ``sasl_users``; :meth:`client`, :meth:`access_flags` and
+    :meth:`discovery_options` then authenticate as it."""
 
     def __init__(
         self,
@@ -186,11 +241,15 @@ class ZooKeeper:
         sasl_users: dict[str, str] | None = None,
         super_password: str | None = None,
         tls: ZkTls | None = None,
+        service: ServiceIdentity | None = None,
     ) -> None:
         """``tls``: serve clients over TLS only (``secureClientPort``, Netty) with its
         certificates; :meth:`client` and :meth:`node_flags` then use them too."""
         _installed()
         self.sasl_users = dict(sasl_users or {})
+        self.service = service
+        if service is not None:
+            self.sasl_users[service.user] = service.password
         self.super_password = super_password
         self.directory = directory
         self.port = free_port()
@@ -220,11 +279,13 @@ class ZooKeeper:
             client.stop()
             client.close()
 
-    def client(self, **options: Any) -> KazooClient:
+    def client(self, *, authenticated: bool = True, **options: Any) -> KazooClient:
         """A client of this ZooKeeper (not started): TLS with the test's client certificate
-        if the server speaks TLS; ``options`` go to ``KazooClient`` (over those)."""
+        if the server speaks TLS; as the service (its login and ACL) if it has one, unless
+        not ``authenticated`` (anonymous); ``options`` go to ``KazooClient`` (over those)."""
         tls = self.tls.client_options() if self.tls is not None else {}
-        return KazooClient(hosts=self.hosts, timeout=10.0, **{**tls, **options})
+        auth = self.service.client_options() if self.service and authenticated else {}
+        return KazooClient(hosts=self.hosts, timeout=10.0, **{**tls, **auth, **options})
 
     @property
     def pid(self) -> int | None:
@@ -241,15 +302,21 @@ class ZooKeeper:
         )  # fmt: skip
 
     def access_flags(self) -> tuple[str, ...]:
-        """The flags a node (or ``snowflake get``) needs to reach this ZooKeeper as it is
-        secured: none for a plain one, ``--zk-tls-*`` for TLS."""
+        """The flags a node needs to reach this ZooKeeper as it is secured: none for a
+        plain one, ``--zk-tls-*`` for TLS, ``--zk-auth``/``--zk-credentials-file`` for
+        the service's identity."""
+        return _access_flags(self.tls, self.service)
+
+    def tls_flags(self) -> tuple[str, ...]:
+        """What ``snowflake get`` takes of :meth:`access_flags` (it reads, as anyone may)."""
         return self.tls.node_flags() if self.tls is not None else ()
 
     def discovery_options(self) -> dict[str, Any]:
         """``ZooKeeperDiscovery``'s keyword arguments to reach this ZooKeeper."""
+        options = self.service.discovery_options() if self.service is not None else {}
         if self.tls is None:
-            return {}
-        options: dict[str, Any] = {"tls_ca": str(self.tls.ca)}
+            return options
+        options["tls_ca"] = str(self.tls.ca)
         if self.tls.presents_cert:
             options |= {"tls_cert": str(self.tls.client_cert), "tls_key": str(self.tls.client_key)}
         return options
@@ -264,6 +331,13 @@ class ZooKeeper:
         """Forget everything: the next start is an empty ZooKeeper on the same port."""
         assert self._process is None, "stop() first"
         shutil.rmtree(self.directory / "data")
+
+
+def _access_flags(tls: ZkTls | None, service: ServiceIdentity | None) -> tuple[str, ...]:
+    return (
+        *(tls.node_flags() if tls is not None else ()),
+        *(service.node_flags() if service is not None else ()),
+    )
 
 
 def _listens(port: int) -> bool:
@@ -376,6 +450,10 @@ class ZooKeeperEnsemble:
 
     ``tick_ms`` is small so that a lost follower or leader is noticed within about a
     second (``syncLimit`` ticks) and an election takes a few ticks.
+
+    ``security`` (one of :data:`SECURITY`): ``sasl+tls`` serves clients over TLS only
+    (a certificate naming every member's address; client certificates required) with
+    the service's SASL user; the members' quorum traffic stays plain.
     """
 
     PORT = 2181
@@ -387,15 +465,29 @@ class ZooKeeperEnsemble:
         portal: Portal,
         tick_ms: int = 200,
         max_session_ms: int = 3000,
+        security: str = "plain",
     ) -> None:
         _installed()
+        assert security in SECURITY, security
+        self.security = security
         self.members = list(hosts)
         self.hosts = ",".join(f"{host.address}:{self.PORT}" for host in hosts)
+        self.tls: ZkTls | None = None
+        self.service: ServiceIdentity | None = None
+        if security == "sasl+tls":
+            addresses = [host.address for host in hosts]
+            self.tls = ZkTls.make(directory / "tls", hosts=addresses, client_hosts=addresses)
+            self.service = ServiceIdentity.make(directory / "service")
+        self._context = self.tls.ssl_context() if self.tls is not None else None
         self._directory = directory
         self._portal = portal
         self._tick_ms = tick_ms
         self._max_session_ms = max_session_ms
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def access_flags(self) -> tuple[str, ...]:
+        """The flags a node needs to reach this ensemble as it is secured."""
+        return _access_flags(self.tls, self.service)
 
     def directory(self, member: Host) -> Path:
         return self._directory / member.name
@@ -412,12 +504,19 @@ class ZooKeeperEnsemble:
         assert member.name not in self._processes, f"{member.name} runs already"
         directory = self.directory(member)
         myid = self.members.index(member) + 1
-        config = _config(directory, self._tick_ms, member.address, self.PORT, self._max_session_ms)
+        config = _config(
+            directory, self._tick_ms, member.address, self.PORT, self._max_session_ms, self.tls
+        )
         (directory / "data" / "myid").write_text(f"{myid}\n")
         config += "initLimit=10\nsyncLimit=5\n4lw.commands.whitelist=srvr\n" + "".join(
             f"server.{n}={host.address}:2888:3888\n" for n, host in enumerate(self.members, start=1)
         )
-        self._processes[member.name] = _launch(directory, config, member.command(), ENSEMBLE_JVM)
+        users = {self.service.user: self.service.password} if self.service is not None else {}
+        lines, jvm = _auth_config(directory, users, None)
+        self._processes[member.name] = _launch(
+            directory, config + lines, member.command(), (*ENSEMBLE_JVM, *jvm),
+            tls=self.tls is not None,
+        )  # fmt: skip
 
     def kill(self, member: Host) -> None:
         """SIGKILL: a crash, nothing flushed or said to the others."""
@@ -443,14 +542,23 @@ class ZooKeeperEnsemble:
                 process.wait()
 
     def mode(self, member: Host) -> str | None:
-        """``leader`` or ``follower`` (``srvr``), or None while it serves no client."""
+        """``leader`` or ``follower`` (``srvr``), or None while it serves no client.
+
+        Over TLS it asks through the test's own TLS context (kazoo's ``command()`` cannot),
+        checking the member's certificate as the nodes do."""
 
         def ask() -> str | None:
             try:
-                with socket.create_connection((member.address, self.PORT), timeout=1) as sock:
-                    sock.sendall(b"srvr")
-                    answer = b"".join(iter(lambda: sock.recv(4096), b""))
-            except OSError:
+                with socket.create_connection((member.address, self.PORT), timeout=1) as raw:
+                    sock = (
+                        raw if self._context is None
+                        else self._context.wrap_socket(raw, server_hostname=member.address)
+                    )  # fmt: skip
+                    with sock:
+                        sock.sendall(b"srvr")
+                        # A TLS peer that closes without close_notify reads as the end.
+                        answer = b"".join(iter(lambda: sock.recv(4096), b""))
+            except OSError:  # ssl.SSLError too: a member not (yet) serving TLS
                 return None
             for line in answer.decode(errors="replace").splitlines():
                 if line.startswith("Mode: "):
