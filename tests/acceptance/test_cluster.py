@@ -417,7 +417,7 @@ def test_snowflake_get_through_zookeeper(
 ) -> None:
     node = cluster(zookeeper)("--worker-id", "9")
     args = ["get", "--zookeeper", zookeeper.hosts, "--zk-path", zk_path, "--count", "3",
-            *zookeeper.tls_flags()]  # fmt: skip
+            *zookeeper.access_flags()]  # fmt: skip
     assert cli_main(args) == 0
     ids = [int(line) for line in capsys.readouterr().out.split()]
     assert len(ids) == 3 and {decompose(i).worker_id for i in ids} == {9}
@@ -483,7 +483,8 @@ def test_discovery_gives_up_within_its_timeout_when_zookeeper_goes(
             pool.next_id()
         assert time.monotonic() - started < 8, "no call waits for ZooKeeper to come back"
     assert (
-        cli_main(["get", "--zookeeper", own_zk.hosts, "--timeout", "1", *own_zk.tls_flags()]) == 1
+        cli_main(["get", "--zookeeper", own_zk.hosts, "--timeout", "1", *own_zk.access_flags()])
+        == 1
     )
     assert "snowflake get: server discovery failed" in capsys.readouterr().err
 

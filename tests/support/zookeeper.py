@@ -302,14 +302,10 @@ class ZooKeeper:
         )  # fmt: skip
 
     def access_flags(self) -> tuple[str, ...]:
-        """The flags a node needs to reach this ZooKeeper as it is secured: none for a
-        plain one, ``--zk-tls-*`` for TLS, ``--zk-auth``/``--zk-credentials-file`` for
-        the service's identity."""
+        """The flags a node (or ``snowflake get``) needs to reach this ZooKeeper as it is
+        secured: none for a plain one, ``--zk-tls-*`` for TLS, ``--zk-auth`` and
+        ``--zk-credentials-file`` for the service's identity."""
         return _access_flags(self.tls, self.service)
-
-    def tls_flags(self) -> tuple[str, ...]:
-        """What ``snowflake get`` takes of :meth:`access_flags` (it reads, as anyone may)."""
-        return self.tls.node_flags() if self.tls is not None else ()
 
     def discovery_options(self) -> dict[str, Any]:
         """``ZooKeeperDiscovery``'s keyword arguments to reach this ZooKeeper."""
