@@ -11,7 +11,7 @@ from kazoo.client import KazooClient
 
 from snowflake_server import ServerSettings
 from tests.support.inprocess import InProcessServer
-from tests.support.zookeeper import ZooKeeper
+from tests.support.zookeeper import ZkTls, ZooKeeper
 
 
 @pytest.fixture
@@ -26,6 +26,17 @@ def server(tmp_path: Path) -> Iterator[InProcessServer]:
 def zookeeper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeper]:
     """A real ZooKeeper shared by a test module (each test has its own ``zk_path``)."""
     zk = ZooKeeper(tmp_path_factory.mktemp("zk"))
+    zk.start()
+    yield zk
+    zk.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_zk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeper]:
+    """A ZooKeeper serving clients over TLS only, requiring a client certificate, shared
+    by a test module."""
+    directory = tmp_path_factory.mktemp("tls-zk")
+    zk = ZooKeeper(directory / "zk", tls=ZkTls.make(directory / "tls"))
     zk.start()
     yield zk
     zk.stop()

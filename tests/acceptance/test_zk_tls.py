@@ -6,27 +6,17 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.processes import ServerProcess, start_server
 from tests.support.waiting import wait_until
-from tests.support.zookeeper import ZkTls, ZooKeeper
+from tests.support.zookeeper import ZooKeeper
 
 pytestmark = [pytest.mark.zookeeper, pytest.mark.slow]
 
 SIGHUPS = 3
-
-
-@pytest.fixture(scope="module")
-def tls_zk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeper]:
-    directory = tmp_path_factory.mktemp("tls-zk")
-    zk = ZooKeeper(directory / "zk", tls=ZkTls.make(directory / "tls"))
-    zk.start()
-    yield zk
-    zk.stop()
 
 
 class Load:

@@ -8,7 +8,6 @@ session."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +30,6 @@ from tests.support.waiting import wait_until
 from tests.support.zookeeper import KAZOO_TLS_SOCKETS, ZkTls, ZooKeeper, write_client
 
 pytestmark = [pytest.mark.zookeeper, *map(pytest.mark.filterwarnings, KAZOO_TLS_SOCKETS)]
-
-
-@pytest.fixture(scope="module")
-def tls_zk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeper]:
-    """A ZooKeeper serving clients over TLS only, requiring a client certificate."""
-    directory = tmp_path_factory.mktemp("tls-zk")
-    zk = ZooKeeper(directory / "zk", tls=ZkTls.make(directory / "tls"))
-    zk.start()
-    yield zk
-    zk.stop()
 
 
 def settings_for(
