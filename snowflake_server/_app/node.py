@@ -423,32 +423,44 @@ class Node:
         settings, and the log says why); the audit trail goes to a fresh open of its
         file. The ZooKeeper session and its connection are kept (a new session would lose
         the worker id's lease): its TLS files are only checked, and said to be used from
-        the next reconnection on (kazoo reads them at each connection)."""
-        if self._server is not None and self.settings.serving.tls_cert:
-            try:
-                context = self._tls_context()
-            except ConfigurationError as e:
-                log.error("SIGHUP: keeping the TLS certificate in use: %s", e)
-            else:
-                assert context is not None
-                self._server.set_tls(context)
-                log.info("SIGHUP: new connections use the reloaded TLS certificate")
+        the next reconnection on (kazoo reads them at each connection). Each of these
+        steps runs whatever the others did: one that fails is logged, never raised."""
+        reload_step("the TLS certificate", self._reload_tls)
         if self._admin is not None:
             reload_admin(self._admin, self.settings.admin.web_config_file)
+        reload_step("the ZooKeeper TLS check", self._check_zk_tls)
+        reload_step("the audit log", self._reopen_audit)
+
+    def _reload_tls(self) -> None:
+        if self._server is None or not self.settings.serving.tls_cert:
+            return
+        try:
+            context = self._tls_context()
+        except ConfigurationError as e:
+            log.error("SIGHUP: keeping the TLS certificate in use: %s", e)
+        else:
+            assert context is not None
+            self._server.set_tls(context)
+            log.info("SIGHUP: new connections use the reloaded TLS certificate")
+
+    def _check_zk_tls(self) -> None:
         access = self.settings.zk_access
-        if self.settings.zookeeper and access.tls:
-            try:
-                check_tls_files(access)
-            except ConfigurationError as e:
-                log.error(
-                    "SIGHUP: the ZooKeeper TLS files do not load, so a reconnection would fail "
-                    "until they do (the session and its connection are kept): %s", e,
-                )  # fmt: skip
-            else:
-                log.info(
-                    "SIGHUP: the ZooKeeper TLS files load; the next reconnection uses them "
-                    "(the session and its connection are kept)"
-                )
+        if not (self.settings.zookeeper and access.tls):
+            return
+        try:
+            check_tls_files(access)
+        except ConfigurationError as e:
+            log.error(
+                "SIGHUP: the ZooKeeper TLS files do not load, so a reconnection would fail "
+                "until they do (the session and its connection are kept): %s", e,
+            )  # fmt: skip
+        else:
+            log.info(
+                "SIGHUP: the ZooKeeper TLS files load; the next reconnection uses them "
+                "(the session and its connection are kept)"
+            )
+
+    def _reopen_audit(self) -> None:
         if self._audit is not None and self._audit.reopen():
             log.info("SIGHUP: reopened the audit log %s", self._audit.path)
 
@@ -458,17 +470,35 @@ class Node:
         self._cleanup.close()
 
 
+def reload_step(what: str, step: Callable[[], object]) -> bool:
+    """Run one step of a SIGHUP reload; whatever it raises is logged (with the
+    traceback: each step handles what it expects), so that the next steps still run.
+    Whether it ended without raising."""
+    try:
+        step()
+    except Exception:
+        log.exception("SIGHUP: reloading %s failed; the other reload steps still run", what)
+        return False
+    return True
+
+
 def reload_admin(admin: AdminServer, path: str) -> None:
     """SIGHUP for an admin endpoint: its web configuration read again from ``path``
-    (if any); one that does not load keeps the one in use, and the log says why."""
+    (if any); one that does not load keeps the one in use, and the log says why.
+    Never raises: the other reload steps must run whatever this one met."""
     if not path:
         return
-    try:
-        admin.reload(load_web_config(path))
-    except (ConfigurationError, RuntimeError) as e:
-        log.error("SIGHUP: keeping the admin endpoint's web configuration in use: %s", e)
-    else:
-        log.info("SIGHUP: new admin connections use the reloaded web configuration %s", path)
+
+    def reload() -> None:
+        try:
+            admin.reload(load_web_config(path))
+        except (ConfigurationError, RuntimeError) as e:
+            log.error("SIGHUP: keeping the admin endpoint's web configuration in use: %s", e)
+        else:
+            log.info("SIGHUP: new admin connections use the reloaded web configuration %s",
+                     path)  # fmt: skip
+
+    reload_step("the admin endpoint's web configuration", reload)
 
 
 @dataclass
@@ -550,7 +580,7 @@ def serve(
             notifier.reloading()
         try:
             if log_file is not None:
-                log_file.reopen()
+                reload_step("the log file", log_file.reopen)
             node.reload()
         finally:
             if tell:

@@ -75,7 +75,7 @@ from .child import (
     poll_children,
     process_state,
 )
-from .node import reload_admin
+from .node import reload_admin, reload_step
 from .node_id import WorkerIdOrigin, configured_origin
 from .notify import Notifier
 from .ready import ready_line
@@ -378,11 +378,13 @@ class Supervisor(Collector):
         self._stop.set()
 
     def _reload(self) -> None:
+        # Each step whatever the others met: the processes get their SIGHUP even when the
+        # supervisor's own files do not reload.
         if self._log_file is not None:
-            self._log_file.reopen()
+            reload_step("the log file", self._log_file.reopen)
         if self._admin is not None:
             reload_admin(self._admin, self._settings.admin.web_config_file)
-        self._signal_children(signal.SIGHUP)
+        reload_step("the processes (SIGHUP)", lambda: self._signal_children(signal.SIGHUP))
 
     def _signal_children(self, signum: signal.Signals) -> None:
         # On the signal thread, while the main thread may reap a child (and clear its

@@ -26,7 +26,9 @@ certificate nor a password, because a kubelet probe or a container health check
 presents neither, and they tell nothing secret. TLS runs over memory buffers in the
 connection (``TlsSession``, as on the client ports), so the request deadline and the
 connection limit hold from the first byte of the handshake. A bcrypt check (about
-50 ms) runs on a thread of its own, never on the loop that answers the probes.
+50 ms) runs on a thread of its own, never on the loop that answers the probes; each
+client address has its own budget of checks, one in flight at most, and few wait for
+the thread (:class:`~.webconfig.BasicAuth`): beyond them the answer is 429.
 SIGHUP reads the file again (:meth:`AdminServer.reload`).
 
 It accepts on its own loop rather than asyncio's ``create_server``: out of file
@@ -48,6 +50,7 @@ import socket
 import ssl
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
@@ -100,7 +103,8 @@ class AdminServer(Collector):
     cannot be used. ``bound``: its socket, bound already (not listening); by default
     it binds one. ``web``: its web configuration (TLS, client certificates, users);
     plain HTTP open to all by default. ``checks_per_s``: bcrypt checks allowed per
-    second (see :class:`~.webconfig.BasicAuth`).
+    second, all clients together; ``client_checks_per_s``: for each client address
+    (see :class:`~.webconfig.BasicAuth`); ``clock``: the buckets' time.
     """
 
     def __init__(
@@ -114,10 +118,15 @@ class AdminServer(Collector):
         request_timeout: float = _REQUEST_TIMEOUT_S,
         bound: socket.socket | None = None,
         web: WebConfig | None = None,
-        checks_per_s: float = 4.0,
+        checks_per_s: float = 6.0,
+        client_checks_per_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._metrics = make_wsgi_app(registry)
-        self.checks_per_s = checks_per_s  # taken at each reload
+        # Taken at each reload:
+        self.checks_per_s = checks_per_s
+        self.client_checks_per_s = client_checks_per_s
+        self.clock = clock
         self._checks: ThreadPoolExecutor | None = None
         self.web = _NO_WEB_CONFIG
         self.auth = BasicAuth({})
@@ -159,7 +168,12 @@ class AdminServer(Collector):
             self._checks = started_threads(1, "admin-bcrypt")
         # One assignment each, read once per connection on the loop: a connection sees
         # either the old pair or the new one's web config with a fresh (empty) cache.
-        self.auth = BasicAuth(web.users, checks_per_s=self.checks_per_s)
+        self.auth = BasicAuth(
+            web.users,
+            checks_per_s=self.checks_per_s,
+            client_checks_per_s=self.client_checks_per_s,
+            clock=self.clock,
+        )
         self.web = web
 
     def start(self) -> None:
@@ -189,7 +203,8 @@ class AdminServer(Collector):
             "snowflake_admin_requests_denied",
             "Admin endpoint requests (probes never) refused by the web configuration: "
             "no client certificate (403), no or wrong basic-auth credentials (401), or "
-            "throttled: more password checks asked than allowed per second (429).",
+            "throttled (429): the client's or everyone's password checks a second spent, "
+            "the client's last check still running, or too many checks waiting.",
             "reason",
             self.denied,
         )
@@ -276,16 +291,22 @@ class AdminServer(Collector):
             return _unauthorized(web, head)
         if auth.remembered(*given):
             return self.respond(request, web)
-        if not auth.may_check() or self._checks is None:
+        client = connection.client
+        if self._checks is None or not auth.may_check(client):
             self.denied["throttled"] += 1
             return error_response(429, "too_many_password_checks",
                                   "too many password checks: try again in a second",
                                   head=head, close=True,
                                   headers=(("Retry-After", "1"), *web.headers))  # fmt: skip
         loop = asyncio.get_running_loop()
-        checked = loop.run_in_executor(self._checks, auth.check, *given)
+        try:
+            checked = loop.run_in_executor(self._checks, auth.check, *given)
+        except RuntimeError:  # the thread pool shut down: the server is stopping
+            auth.checked(client)
+            raise
 
         def checked_done(future: asyncio.Future[bool]) -> None:
+            auth.checked(client)
             if future.cancelled():
                 return
             try:
@@ -387,6 +408,7 @@ class AdminConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self.waiting = True  # its request is not all here yet
+        self.client = ""  # the peer's address: whose password-check budget it spends
         # The settings it was accepted under: a reload meanwhile does not change them.
         self.web = server.web
         self.auth = server.auth
@@ -399,6 +421,8 @@ class AdminConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
+        peer = self._transport.get_extra_info("peername")
+        self.client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         if not self._server.admit(self):
             self._transport.abort()
             return

@@ -17,12 +17,18 @@
 :func:`load_web_config` accepts what ``promtool check web-config`` (Prometheus 2.42)
 accepts and refuses, with a ``ConfigurationError`` naming the key, what it refuses:
 unknown keys, values of the wrong type, unknown versions, ciphers, curves and
-client-auth types, files that do not load, hashes that are not bcrypt. Two things it
-accepts are refused here, each because this server cannot do what the file asks:
-``RequireAnyClientCert`` (any certificate, unverified: Python's TLS cannot take a
-certificate it does not verify; use ``RequireAndVerifyClientCert``) and a
-``min_version`` above ``max_version`` (no handshake could succeed). Relative paths are
-relative to the file's folder, as exporter-toolkit reads them.
+client-auth types, files that do not load, hashes that are not bcrypt; any file it
+cannot read, whatever is in it, is a ``ConfigurationError``, never another exception.
+Four things promtool accepts are refused here, each because this server cannot or
+should not do what the file asks: ``RequireAnyClientCert`` (any certificate,
+unverified: Python's TLS cannot take a certificate it does not verify; use
+``RequireAndVerifyClientCert``); a ``min_version`` above ``max_version`` (no handshake
+could succeed); ``RequireAndVerifyClientCert`` or ``VerifyClientCertIfGiven`` without
+``client_ca_file`` (Go, and so exporter-toolkit, then verifies client certificates
+against the system's roots: any publicly trusted certificate would pass); and bcrypt
+hashes of a cost above 12 (Go takes up to 31: each check would cost seconds of CPU,
+and a client with wrong passwords could keep the checking thread busy). Relative paths
+are relative to the file's folder, as exporter-toolkit reads them.
 
 Differences a client can see: ``RequireAndVerifyClientCert`` asks for a certificate
 during the handshake and verifies any certificate given, but a client without one
@@ -33,10 +39,13 @@ which every scraper speaks); with several ``curve_preferences`` OpenSSL's own or
 applies (one curve: only that one).
 
 :class:`BasicAuth` checks the users' passwords. A bcrypt check costs about 50 ms of
-CPU, so it is priced: a password that passed is remembered (an LRU of keyed digests,
-never the password), so a scraper pays once, not at every scrape; and at most
-``checks_per_s`` checks run per second (a burst of as many), so a client guessing
-passwords gets 429 rather than the CPU.
+CPU (cost 10), so it is priced: a password that passed is remembered (an LRU of keyed
+digests, never the password), so a scraper pays once, not at every scrape; each client
+(source address; an IPv6 /64) may start ``client_checks_per_s`` checks a second (a
+burst of 3) and have one in flight, all clients together ``checks_per_s`` (a burst of
+as many) with at most ``max_pending`` waiting for the checking thread. Beyond any of
+these the answer is 429, so a client guessing passwords spends its own budget, not the
+CPU nor the budget of Prometheus scraping from another address.
 """
 
 from __future__ import annotations
@@ -46,9 +55,11 @@ import binascii
 import collections
 import hashlib
 import hmac
+import ipaddress
 import math
 import os
 import re
+import reprlib
 import ssl
 import time
 from collections.abc import Callable, Mapping
@@ -127,6 +138,12 @@ _HEADERS: dict[str, tuple[str, ...] | None] = {
 }
 # What Go's crypto/bcrypt reads: $2a$/$2b$/$2y$, a cost of 4..31, 53 characters of salt+hash.
 _BCRYPT = re.compile(rb"\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}")
+# Cost 12 is about 0.2 s of CPU a check here, 13 about 0.4 s, each step doubling: above 12
+# a handful of wrong passwords a second would take a core.
+MAX_BCRYPT_COST = 12
+_DEFAULT_COST = 10
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother = 3, 60, 60
 _MAX_PASSWORD = 72  # bcrypt's limit: longer ones are refused (bcrypt 5 raises, Go errs)
 
 
@@ -152,23 +169,39 @@ def load_web_config(path: str) -> WebConfig:
     (``--web-config-file PATH: ...``) naming what is wrong."""
     where = f"--web-config-file {path}"
     try:
+        return _load(path)
+    except _Invalid as e:
+        raise ConfigurationError(f"{where}: {e}") from None
+    except RecursionError:
+        raise ConfigurationError(f"{where}: nested too deeply to read") from None
+    except Exception as e:  # whatever a file makes the loader raise
+        # A file is input: what it holds must never crash the start or a SIGHUP.
+        raise ConfigurationError(
+            f"{where}: cannot be read: {type(e).__name__}: {_SHOW.repr(str(e))}"
+        ) from e
+
+
+def _load(path: str) -> WebConfig:
+    try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise ConfigurationError(f"{where}: cannot read it: {e.strerror or e}") from None
+        raise _Invalid(f"cannot read it: {e.strerror or e}") from None
     except UnicodeDecodeError:
-        raise ConfigurationError(f"{where}: not UTF-8 text") from None
+        raise _Invalid("not UTF-8 text") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigurationError(f"{where}: not valid YAML: {e}") from None
-    try:
-        return _config(path, {} if data is None else data, Path(path).parent)
-    except _Invalid as e:
-        raise ConfigurationError(f"{where}: {e}") from None
+        raise _Invalid(f"not valid YAML: {e}") from None
+    return _config(path, {} if data is None else data, Path(path).parent)
 
 
 class _Invalid(Exception):
     """What is wrong with the file, worded for its reader (the path is added)."""
+
+
+def _show(value: object) -> str:
+    """``value`` for a message: shortened, so a huge or deep value stays one short line."""
+    return _SHOW.repr(value)
 
 
 def _config(path: str, data: object, base: Path) -> WebConfig:
@@ -184,10 +217,10 @@ def _mapping(value: object, name: str, keys: frozenset[str]) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise _Invalid(f"{name} must be a mapping, got {value!r}")
+        raise _Invalid(f"{name} must be a mapping, got {_show(value)}")
     for key in value:
         if key not in keys:
-            raise _Invalid(f"unknown key {key!r} in {name} (known: {', '.join(sorted(keys))})")
+            raise _Invalid(f"unknown key {_show(key)} in {name} (known: {', '.join(sorted(keys))})")
     return value
 
 
@@ -195,7 +228,7 @@ def _typed(values: Mapping[str, Any], where: str, key: str, kind: type) -> Any:
     value = values.get(key)
     if value is not None and not isinstance(value, kind):
         want = {str: "a string", bool: "true or false", list: "a list"}[kind]
-        raise _Invalid(f"{where}.{key} must be {want}, got {value!r}")
+        raise _Invalid(f"{where}.{key} must be {want}, got {_show(value)}")
     return value
 
 
@@ -203,7 +236,7 @@ def _strings(values: Mapping[str, Any], key: str) -> list[str]:
     items = _typed(values, "tls_server_config", key, list) or []
     for item in items:
         if not isinstance(item, str):
-            raise _Invalid(f"tls_server_config.{key} must be a list of names, got {item!r}")
+            raise _Invalid(f"tls_server_config.{key} must be a list of names, got {_show(item)}")
     return list(items)
 
 
@@ -223,20 +256,20 @@ def _tls(values: Mapping[str, Any], base: Path) -> tuple[ssl.SSLContext | None, 
     high = _version(values, "max_version", "TLS13")
     if low > high:
         raise _Invalid(
-            f"tls_server_config: min_version {values['min_version']} is above max_version "
-            f"{values['max_version']}: no handshake could succeed"
+            f"tls_server_config: min_version {_show(values['min_version'])} is above "
+            f"max_version {_show(values['max_version'])}: no handshake could succeed"
         )
     context.minimum_version, context.maximum_version = low, high
     try:
         context.load_cert_chain(base / cert, base / key)
-    except (OSError, ssl.SSLError) as e:
+    except (OSError, ssl.SSLError, ValueError) as e:
         raise _Invalid(f"tls_server_config: cert_file {cert} / key_file {key}: {_why(e)}") from None
     require = _client_auth(context, auth or "NoClientCert", client_ca, base)
     _ciphers(context, _strings(values, "cipher_suites"))
     curves = _strings(values, "curve_preferences")
     for curve in curves:
         if curve not in _CURVES:
-            raise _Invalid(f"tls_server_config.curve_preferences: unknown curve {curve!r} "
+            raise _Invalid(f"tls_server_config.curve_preferences: unknown curve {_show(curve)} "
                            f"(known: {', '.join(_CURVES)})")  # fmt: skip
     if len(curves) == 1:
         context.set_ecdh_curve(_CURVES[curves[0]])
@@ -246,9 +279,11 @@ def _tls(values: Mapping[str, Any], base: Path) -> tuple[ssl.SSLContext | None, 
 
 
 def _version(values: Mapping[str, Any], key: str, default: str) -> ssl.TLSVersion:
-    name = values.get(key, default)
-    if name not in _VERSIONS:
-        raise _Invalid(f"tls_server_config.{key}: unknown TLS version {name!r} "
+    name = values.get(key)
+    if name is None:
+        name = default
+    if not isinstance(name, str) or name not in _VERSIONS:
+        raise _Invalid(f"tls_server_config.{key}: unknown TLS version {_show(name)} "
                        f"(known: {', '.join(_VERSIONS)})")  # fmt: skip
     return _VERSIONS[name]
 
@@ -256,7 +291,7 @@ def _version(values: Mapping[str, Any], key: str, default: str) -> ssl.TLSVersio
 def _client_auth(context: ssl.SSLContext, auth: str, client_ca: str, base: Path) -> bool:
     """Sets how ``context`` asks for client certificates; whether one is required."""
     if auth not in _CLIENT_AUTH and auth != "RequireClientCert":
-        raise _Invalid(f"tls_server_config.client_auth_type: unknown value {auth!r} "
+        raise _Invalid(f"tls_server_config.client_auth_type: unknown value {_show(auth)} "
                        f"(known: {', '.join(_CLIENT_AUTH)})")  # fmt: skip
     if auth in ("RequireAnyClientCert", "RequireClientCert"):
         raise _Invalid(
@@ -270,15 +305,20 @@ def _client_auth(context: ssl.SSLContext, auth: str, client_ca: str, base: Path)
             "set client_auth_type RequireAndVerifyClientCert (or VerifyClientCertIfGiven)"
         )
     if auth in ("VerifyClientCertIfGiven", "RequireAndVerifyClientCert"):
+        if not client_ca:
+            # Go (exporter-toolkit) would verify against the system's roots: any publicly
+            # trusted certificate, of anyone, would pass for Prometheus.
+            raise _Invalid(
+                f"tls_server_config.client_auth_type {auth} needs client_ca_file (the CA "
+                "that issues the scrapers' certificates): without it any certificate of a "
+                "publicly trusted CA would be taken"
+            )
         # Optional at the handshake even when required: the probes must get through
         # without one; every other path asks for it (AdminServer).
         context.verify_mode = ssl.CERT_OPTIONAL
         try:
-            if client_ca:
-                context.load_verify_locations(cafile=base / client_ca)
-            else:
-                context.load_default_certs(ssl.Purpose.CLIENT_AUTH)  # as Go: the system's
-        except (OSError, ssl.SSLError) as e:
+            context.load_verify_locations(cafile=base / client_ca)
+        except (OSError, ssl.SSLError, ValueError) as e:
             raise _Invalid(f"tls_server_config.client_ca_file {client_ca}: {_why(e)}") from None
     # RequestClientCert asks for a certificate and never verifies or uses it: as none.
     return auth == "RequireAndVerifyClientCert"
@@ -290,7 +330,7 @@ def _ciphers(context: ssl.SSLContext, names: list[str]) -> None:
         if name in _TLS13_CIPHERS:
             continue
         if name not in _CIPHERS:
-            raise _Invalid(f"tls_server_config.cipher_suites: unknown cipher {name!r} "
+            raise _Invalid(f"tls_server_config.cipher_suites: unknown cipher {_show(name)} "
                            "(Go's names, e.g. TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256)")  # fmt: skip
         chosen.append(_CIPHERS[name])
     if not chosen:
@@ -308,18 +348,18 @@ def _headers(value: object) -> tuple[tuple[str, str], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
-        raise _Invalid(f"http_server_config.headers must be a mapping, got {value!r}")
+        raise _Invalid(f"http_server_config.headers must be a mapping, got {_show(value)}")
     headers = []
     for name, text in value.items():
         if name not in _HEADERS:
-            raise _Invalid(f"http_server_config.headers: {name!r} cannot be set "
+            raise _Invalid(f"http_server_config.headers: {_show(name)} cannot be set "
                            f"(these can: {', '.join(_HEADERS)})")  # fmt: skip
         allowed = _HEADERS[name]
         if not isinstance(text, str) or "\r" in text or "\n" in text:
-            raise _Invalid(f"http_server_config.headers.{name} must be one line, got {text!r}")
+            raise _Invalid(f"http_server_config.headers.{name} must be one line, got {_show(text)}")
         if allowed is not None and text not in allowed:
             raise _Invalid(f"http_server_config.headers.{name} must be one of "
-                           f"{', '.join(allowed)}, got {text!r}")  # fmt: skip
+                           f"{', '.join(allowed)}, got {_show(text)}")  # fmt: skip
         headers.append((name, text))
     return tuple(headers)
 
@@ -328,58 +368,152 @@ def _users(value: object) -> dict[str, bytes]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise _Invalid(f"basic_auth_users must be a mapping of user to bcrypt hash, got {value!r}")
+        raise _Invalid(
+            f"basic_auth_users must be a mapping of user to bcrypt hash, got {_show(value)}"
+        )
     users = {}
     for name, hashed in value.items():
         if not isinstance(name, str) or not name or ":" in name:
-            raise _Invalid(f"basic_auth_users: {name!r} is not a user name (text without ':')")
+            raise _Invalid(f"basic_auth_users: {_show(name)} is not a user name (text without ':')")
         data = hashed.encode() if isinstance(hashed, str) else b""
-        if not _BCRYPT.fullmatch(data):
+        matched = _BCRYPT.fullmatch(data)
+        if matched is None:
             raise _Invalid(
                 f"basic_auth_users.{name}: not a bcrypt hash ($2b$10$ and 53 characters; "
                 "make one with: htpasswd -nBC 10 '' | tr -d ':\\n', or Python's "
                 "bcrypt.hashpw(password, bcrypt.gensalt()))"
             )
+        cost = int(matched.group(1))
+        if cost > MAX_BCRYPT_COST:
+            raise _Invalid(
+                f"basic_auth_users.{name}: bcrypt cost {cost} is above {MAX_BCRYPT_COST}: "
+                f"each check would cost about {0.05 * 2 ** (cost - 10):.1f} s of CPU, so a "
+                "few wrong passwords a second would take the server's CPU; hash it again "
+                "with a cost of 10 (htpasswd -nBC 10)"
+            )
         users[name] = data
     return users
 
 
-def _why(error: OSError) -> str:
+def _why(error: Exception) -> str:
+    if isinstance(error, ValueError):
+        return f"not a path: {error}"
     if isinstance(error, ssl.SSLError):
         return f"cannot load it: not PEM, or the key does not match ({error.reason or error})"
+    assert isinstance(error, OSError)
     return f"cannot read it: {error.strerror or error}"
+
+
+class _Bucket:
+    """A token bucket: ``rate`` tokens a second, at most ``burst`` held."""
+
+    __slots__ = ("at", "burst", "rate", "tokens")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate, self.burst, self.tokens, self.at = rate, burst, burst, now
+
+    def refill(self, now: float) -> float:
+        self.tokens = min(self.burst, self.tokens + max(0.0, now - self.at) * self.rate)
+        self.at = now
+        return self.tokens
+
+
+def client_key(address: str) -> str:
+    """Whose budget a check from ``address`` spends: the address, an IPv6 one's /64
+    (one host usually has a whole /64 to draw from)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 class BasicAuth:
     """HTTP basic authentication against bcrypt hashes, its cost bounded.
 
     :meth:`remembered` answers from the cache (no bcrypt); otherwise :meth:`may_check`
-    says whether a check may run now (the token bucket: ``checks_per_s``, a burst of
-    as many), and :meth:`check` runs one (about 50 ms; from a worker thread: bcrypt
-    releases the GIL). All but :meth:`check` belong to one thread.
+    says whether a check for a client may start now, :meth:`check` runs it (about
+    50 ms; from a worker thread: bcrypt releases the GIL) and :meth:`checked` says it
+    ended. A check may start when the client has none in flight and a token of its own
+    bucket (``client_checks_per_s``, a burst of 3), the global bucket has one
+    (``checks_per_s``, a burst of as many) and fewer than ``max_pending`` checks are in
+    flight: a client guessing passwords spends its own budget and leaves the others
+    theirs. All but :meth:`check` belong to one thread.
     """
 
     def __init__(
         self,
         users: Mapping[str, bytes],
         *,
-        checks_per_s: float = 4.0,
+        checks_per_s: float = 6.0,
+        client_checks_per_s: float = 1.0,
+        max_pending: int = 8,
+        max_clients: int = 4096,
         remember: int = 64,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._users = dict(users)
-        self._rate = checks_per_s
-        self._burst = max(1.0, math.ceil(checks_per_s))
-        self._tokens = self._burst
         self._clock = clock
-        self._at = clock()
+        self._global = _Bucket(checks_per_s, max(1.0, math.ceil(checks_per_s)), clock())
+        self._client_rate = client_checks_per_s
+        self._client_burst = max(1.0, math.ceil(3 * client_checks_per_s))
+        # Least recently asking first; a full bucket is forgotten (a new one is the same).
+        self._clients: collections.OrderedDict[str, _Bucket] = collections.OrderedDict()
+        self._max_clients = max_clients
+        self._in_flight: set[str] = set()
+        self._max_pending = max_pending
         self._remember = remember
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         # Keyed digests: a memory dump shows no password, nor a hash to attack offline.
         self._key = os.urandom(32)
-        # What an unknown user's password is checked against: the same cost as a known
-        # user's, so the time taken does not tell which users exist.
-        self._decoy = bcrypt.hashpw(os.urandom(16), bcrypt.gensalt(10))
+        # What an unknown user's password is checked against: the cost of the users'
+        # hashes, so the time taken does not tell which users exist.
+        costs = [int(h[4:6]) for h in self._users.values() if h[4:6].isdigit()]
+        self._decoy = bcrypt.hashpw(
+            os.urandom(16), bcrypt.gensalt(max(costs, default=_DEFAULT_COST))
+        )
+
+    @property
+    def pending(self) -> int:
+        """Checks in flight (started and not yet :meth:`checked`)."""
+        return len(self._in_flight)
+
+    def may_check(self, client: str) -> bool:
+        """Whether a bcrypt check for ``client`` (its address, see :func:`client_key`)
+        may start now; if so its tokens are taken and it is in flight until
+        :meth:`checked`."""
+        key = client_key(client)
+        if key in self._in_flight or len(self._in_flight) >= self._max_pending:
+            return False
+        now = self._clock()
+        bucket = self._clients.pop(key, None)
+        if bucket is None:
+            bucket = _Bucket(self._client_rate, self._client_burst, now)
+        self._clients[key] = bucket  # the most recent last
+        while len(self._clients) > self._max_clients:
+            self._clients.popitem(last=False)
+        if bucket.refill(now) < 1 or self._global.refill(now) < 1:
+            return False
+        bucket.tokens -= 1
+        self._global.tokens -= 1
+        self._in_flight.add(key)
+        return True
+
+    def checked(self, client: str) -> None:
+        """The check :meth:`may_check` let start for ``client`` ended (either way)."""
+        key = client_key(client)
+        self._in_flight.discard(key)
+        self._forget_full(self._clock())
+
+    def _forget_full(self, now: float) -> None:
+        # Only the oldest few are looked at: a full bucket is as good as none.
+        for key in list(self._clients)[:4]:
+            if key not in self._in_flight and self._clients[key].refill(now) >= self._client_burst:
+                del self._clients[key]
 
     @property
     def enabled(self) -> bool:
@@ -417,16 +551,6 @@ class BasicAuth:
             self._known.move_to_end(digest)
             return True
         return False
-
-    def may_check(self) -> bool:
-        """Whether a bcrypt check may run now; takes its token if so."""
-        now = self._clock()
-        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
-        self._at = now
-        if self._tokens < 1:
-            return False
-        self._tokens -= 1
-        return True
 
     def check(self, user: str, password: bytes) -> bool:
         """Whether ``password`` is ``user``'s: about 50 ms, safe from any thread (it

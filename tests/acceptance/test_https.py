@@ -117,10 +117,26 @@ def test_sighup_reloads_the_api_certificate_and_the_admin_web_configuration(
         assert server.stop() == 0
 
 
-def test_a_bad_web_configuration_exits_2_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (
+            "tls_server_config: {cert_file: a.pem, key_file: a.pem, colour: red}",
+            "unknown key 'colour' in tls_server_config",
+        ),
+        # A mistyped value, and nesting too deep to read: exit 2, never a traceback (exit 1).
+        (
+            "tls_server_config: {cert_file: a.pem, key_file: a.pem, min_version: [TLS12]}",
+            "tls_server_config.min_version: unknown TLS version ['TLS12']",
+        ),
+        ("tls_server_config: " + "[" * 20000 + "]" * 20000, "nested too deeply to read"),
+    ],
+)
+def test_a_bad_web_configuration_exits_2_naming_it(tmp_path: Path, text: str, says: str) -> None:
     web = tmp_path / "web.yml"
-    web.write_text("tls_server_config: {cert_file: a.pem, key_file: a.pem, colour: red}\n")
+    web.write_text(text + "\n", encoding="utf-8")
     with spawned("--web-config-file", str(web)) as server:
         code, _ = server.end(15)
         assert code == ExitCode.CONFIGURATION, server.log()
-        assert f"--web-config-file {web}: unknown key 'colour' in tls_server_config" in server.log()
+        assert f"--web-config-file {web}: {says}" in server.log()
+        assert "Traceback" not in server.log()

@@ -8,18 +8,37 @@ import base64
 import contextlib
 import http.client
 import shutil
+import signal
 import ssl
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import bcrypt
 import pytest
 import trustme
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.registry import CollectorRegistry
 
-from snowflake_server import ServerSettings
+from snowflake_server import ServerSettings, load_settings
+from snowflake_server._app import node as node_module
+from snowflake_server._app.child import Child
+from snowflake_server._app.node_id import configured_origin
+from snowflake_server._app.supervisor import Supervisor
 from snowflake_server._errors import ConfigurationError
-from snowflake_server._http.webconfig import BasicAuth, load_web_config
+from snowflake_server._http.admin import AdminServer
+from snowflake_server._http.webconfig import (
+    _HTTP,
+    _TLS,
+    _TOP,
+    BasicAuth,
+    WebConfig,
+    load_web_config,
+)
+from snowflake_server._serving.listeners import listen_socket
 from tests.support.inprocess import InProcessServer
 from tests.support.processes import parse_metrics
 
@@ -29,6 +48,7 @@ PASSWORD = "scrape-me"
 # ids (parameters hold it), and pytest-xdist refuses to run then.
 HASH = "$2b$04$iyMkM.i/a7Twni0q1bJZJec45VF7qsXgQb5EtP.AMe42bpCb59QTK"
 assert bcrypt.checkpw(PASSWORD.encode(), HASH.encode())
+HASH13 = "$2b$13$7L5r1iiqYnd5prgn0/.IkOhpZAEybzPpYHH7/nvZpgD4Z8NFWc0WO"  # of "x"
 
 
 @dataclass
@@ -89,15 +109,18 @@ def get(
     path: str,
     context: ssl.SSLContext | None = None,
     auth: tuple[str, str] | None = None,
+    source: str | None = None,
 ) -> tuple[int, dict[str, str], bytes]:
-    """``GET path`` of the admin endpoint: its status, headers and body."""
+    """``GET path`` of the admin endpoint: its status, headers and body (from the
+    loopback address ``source``, if given)."""
+    bind = None if source is None else (source, 0)
     if context is None:
         connection: http.client.HTTPConnection = http.client.HTTPConnection(
-            "127.0.0.1", server.metrics_port, timeout=5
+            "127.0.0.1", server.metrics_port, timeout=5, source_address=bind
         )
     else:
         connection = http.client.HTTPSConnection(
-            "127.0.0.1", server.metrics_port, timeout=5, context=context
+            "127.0.0.1", server.metrics_port, timeout=5, context=context, source_address=bind
         )
     headers = {}
     if auth is not None:
@@ -174,12 +197,78 @@ def test_password_checks_are_remembered_and_throttled(tmp_path: Path) -> None:
 
 def test_the_token_bucket_refills_with_time() -> None:
     now = [0.0]
-    auth = BasicAuth({"u": HASH.encode()}, checks_per_s=2.0, clock=lambda: now[0])
-    assert [auth.may_check() for _ in range(3)] == [True, True, False]
+    auth = BasicAuth(
+        {"u": HASH.encode()}, checks_per_s=2.0, client_checks_per_s=100.0, clock=lambda: now[0]
+    )
+
+    def tries(n: int) -> list[bool]:
+        allowed = [auth.may_check(f"10.0.0.{i}") for i in range(n)]
+        for i in range(n):
+            auth.checked(f"10.0.0.{i}")
+        return allowed
+
+    assert tries(3) == [True, True, False]
     now[0] = 0.5
-    assert [auth.may_check() for _ in range(2)] == [True, False]
+    assert tries(2) == [True, False]
     now[0] = 100.0  # a long quiet time refills the burst, no more
-    assert [auth.may_check() for _ in range(3)] == [True, True, False]
+    assert tries(3) == [True, True, False]
+
+
+def test_a_flooding_address_spends_its_own_budget_not_anothers() -> None:
+    """Finding 5: wrong passwords from one address, as fast as it likes, leave another
+    address (Prometheus) its checks; each address has one check in flight at most."""
+    now = [0.0]
+    auth = BasicAuth({"u": HASH.encode()}, clock=lambda: now[0])
+    attacker, prometheus = "192.0.2.66", "198.51.100.9"
+    allowed = []
+    for _ in range(1000):
+        allowed.append(auth.may_check(attacker))
+        auth.checked(attacker)
+    assert allowed.count(True) == 3  # its burst, then its rate: no time passed
+    assert auth.may_check(prometheus)  # not 429
+    assert not auth.may_check(prometheus)  # its first check is still running
+    auth.checked(prometheus)
+    for step in range(1, 61):  # a minute of flooding, ten tries every 100 ms
+        now[0] = step / 10
+        for _ in range(10):
+            if auth.may_check(attacker):
+                allowed.append(True)
+                auth.checked(attacker)
+    assert allowed.count(True) <= 3 + 60 + 1  # one a second: the global cap is untouched
+    assert auth.may_check(prometheus)
+    auth.checked(prometheus)
+    # Another address of the attacker's IPv6 /64 is the same client.
+    assert auth.may_check("2001:db8::1")
+    assert not auth.may_check("2001:db8::2")  # in flight: the /64's one
+    assert auth.may_check("::ffff:198.51.100.9")  # Prometheus over IPv4-mapped IPv6
+
+
+def test_password_checks_waiting_are_bounded() -> None:
+    """At most max_pending checks wait for the bcrypt thread, each of its own client."""
+    auth = BasicAuth({"u": HASH.encode()}, checks_per_s=100.0, max_pending=3, clock=lambda: 0.0)
+    assert [auth.may_check(f"10.0.0.{i}") for i in range(5)] == [True] * 3 + [False] * 2
+    assert auth.pending == 3
+    auth.checked("10.0.0.0")
+    assert auth.may_check("10.0.0.4")
+
+
+def test_a_flood_of_wrong_passwords_does_not_lock_prometheus_out(tmp_path: Path) -> None:
+    """Finding 5, over sockets: 127.0.0.2 floods wrong passwords (no time passes: the
+    buckets' clock is frozen); Prometheus on 127.0.0.1 still gets in with the right one
+    (before, one bucket for everyone: 429)."""
+    settings_ = ServerSettings(web_config_file=web_config(tmp_path, USERS))
+    with InProcessServer(settings_, tmp_path) as s:
+        admin = s.node.admin
+        assert admin is not None
+        admin.clock = lambda: 0.0
+        admin.reload(load_web_config(settings_.web_config_file))
+        attacker = [
+            get(s, "/metrics", auth=("prometheus", f"guess{i}"), source="127.0.0.2")[0]
+            for i in range(20)
+        ]
+        assert attacker.count(429) >= 17, attacker
+        assert get(s, "/metrics", auth=("prometheus", PASSWORD), source="127.0.0.1")[0] == 200
+        assert get(s, "/metrics", auth=("prometheus", PASSWORD), source="127.0.0.1")[0] == 200
 
 
 def test_credentials_are_checked_and_remembered_by_digest() -> None:
@@ -263,6 +352,23 @@ CASES = [
     ("http_server_config: {headers: {x-frame-options: deny}}", False, False),
     ("tls_server_config: [a]", False, False),
     ("tls_server_config: {cert_file: [a], key_file: b}", False, False),
+    # Finding 4: wrong types and depths are configuration errors, never a crash.
+    (TLS + "  min_version: [TLS12]", False, False),
+    (TLS + "  max_version: {TLS13: 1}", False, False),
+    (TLS + "  client_auth_type: [RequireAndVerifyClientCert]", False, False),
+    (TLS + "  cipher_suites: {a: 1}", False, False),
+    (TLS + "  prefer_server_cipher_suites: 1", False, False),
+    ("http_server_config: {headers: {X-Frame-Options: [deny]}}", False, False),
+    ("http_server_config: {http2: [true]}", False, False),
+    ("tls_server_config: " + "[" * 20000 + "]" * 20000, False, False),
+    ("tls_server_config:\n  cert_file: " + "{a: " * 3000 + "1" + "}" * 3000, False, False),
+    # Finding 9(b): a client CA is needed to verify client certificates (Go would take
+    # the system's roots).
+    (TLS + "  client_auth_type: RequireAndVerifyClientCert", True, False),
+    (TLS + "  client_auth_type: VerifyClientCertIfGiven", True, False),
+    # Finding 5: a cost above 12 is refused (Go takes up to 31).
+    (f"basic_auth_users: {{prometheus: '{HASH.replace('$04$', '$12$')}'}}", True, True),
+    (f"basic_auth_users: {{prometheus: '{HASH13}'}}", True, False),
 ]  # fmt: skip
 
 
@@ -287,3 +393,144 @@ def test_the_file_is_checked_as_promtool_checks_it(
     else:
         with pytest.raises(ConfigurationError, match=r"--web-config-file .*web\.yml: "):
             load_web_config(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (TLS + "  min_version: [TLS12]", r"min_version: unknown TLS version \['TLS12'\]"),
+        (TLS + "  client_auth_type: RequireAndVerifyClientCert", r"needs client_ca_file"),
+        (TLS + "  client_auth_type: VerifyClientCertIfGiven", r"needs client_ca_file"),
+        (f"basic_auth_users: {{prometheus: '{HASH13}'}}", r"cost 13 is above 12: each check"),
+        ("tls_server_config: " + "[" * 20000 + "]" * 20000, r"nested too deeply"),
+    ],
+)
+def test_what_is_refused_is_said(tmp_path: Path, pki: Pki, text: str, says: str) -> None:
+    with pytest.raises(ConfigurationError, match=r"--web-config-file .*web\.yml: .*" + says):
+        load_web_config(web_config(tmp_path, text + "\n"))
+
+
+# Values a file may hold where the loader expects others: every YAML type, nested.
+_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
+    st.text(max_size=12), st.sampled_from(["TLS12", "TLS13", "admin.pem", "admin-key.pem",
+    "client-ca.pem", "RequireAndVerifyClientCert", "VerifyClientCertIfGiven", "X25519",
+    "TLS_AES_128_GCM_SHA256", "X-Frame-Options", "deny", HASH, HASH13, "\0"]),
+)  # fmt: skip
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.one_of(st.text(max_size=8), _SCALARS), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+_KEYS = sorted(_TOP | _TLS | _HTTP | {"headers", "prometheus"})
+# Mostly the files a mistake makes: a working TLS pair beside a value of the wrong kind
+# (a working pair reaches every later check), else anything under any known key.
+_SECTIONS = {
+    "tls_server_config": st.fixed_dictionaries(
+        {"cert_file": st.just("admin.pem"), "key_file": st.just("admin-key.pem")},
+        optional=dict.fromkeys(sorted(_TLS - {"cert_file", "key_file"}), _VALUES),
+    ),
+    "http_server_config": st.fixed_dictionaries(
+        {}, optional={"http2": _VALUES, "headers": st.dictionaries(_SCALARS, _VALUES)}
+    ),
+    "basic_auth_users": st.dictionaries(_SCALARS, _VALUES, max_size=3),
+}
+_DOCUMENTS = (
+    st.fixed_dictionaries({}, optional={k: v | _VALUES for k, v in _SECTIONS.items()})
+    | st.dictionaries(
+        st.sampled_from(sorted(_TOP)),
+        st.one_of(_VALUES, st.dictionaries(st.sampled_from(_KEYS), _VALUES, max_size=6)),
+        max_size=3,
+    )
+    | _VALUES
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(document=_DOCUMENTS)
+def test_any_yaml_document_is_loaded_or_a_configuration_error(document: object) -> None:
+    """Finding 4: whatever the file holds, the loader answers a WebConfig or a
+    ConfigurationError, never another exception (a traceback and exit 1 at start, the
+    other reload steps skipped on SIGHUP)."""
+    with tempfile.TemporaryDirectory() as directory:
+        Pki.make(Path(directory))
+        path = web_config(Path(directory), yaml.safe_dump(document))
+        with contextlib.suppress(ConfigurationError):
+            load_web_config(path)
+
+
+def test_a_mistyped_web_configuration_stops_the_start(tmp_path: Path, pki: Pki) -> None:
+    server = serve(tmp_path, TLS + "  min_version: [TLS12]\n")
+    with pytest.raises(ConfigurationError, match=r"min_version: unknown TLS version"):
+        server.start()
+
+
+def test_sighup_with_a_mistyped_web_configuration_still_reopens_the_audit_log(
+    tmp_path: Path,
+) -> None:
+    """Finding 4: a file that does not load keeps the old settings, and the other
+    reload steps (here the audit log's reopen) still run."""
+    path = web_config(tmp_path, USERS)
+    audit = tmp_path / "audit.log"
+    with InProcessServer(ServerSettings(web_config_file=path, audit_log=str(audit)), tmp_path) as s:
+        assert get(s, "/metrics")[0] == 401
+        audit.rename(tmp_path / "audit.log.1")  # log rotation
+        Path(path).write_text(USERS + TLS + "  min_version: [TLS12]\n", encoding="utf-8")
+        s.node.reload()
+        assert audit.exists(), "the audit log was not reopened"
+        assert get(s, "/metrics")[0] == 401  # the old settings: plain HTTP, users
+
+
+def test_a_reload_step_that_fails_does_not_stop_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever a step raises (here a fault injected into the web configuration's
+    loader), it is logged and the next steps run."""
+    path = web_config(tmp_path, USERS)
+    audit = tmp_path / "audit.log"
+    with InProcessServer(ServerSettings(web_config_file=path, audit_log=str(audit)), tmp_path) as s:
+
+        def broken(path: str) -> WebConfig:
+            raise ZeroDivisionError("an unforeseen fault")
+
+        monkeypatch.setattr(node_module, "load_web_config", broken)
+        audit.rename(tmp_path / "audit.log.1")
+        s.node.reload()
+        assert audit.exists(), "the audit log was not reopened"
+        assert "reloading the admin endpoint's web configuration failed" in caplog.text
+        assert get(s, "/metrics")[0] == 401
+
+
+def test_the_supervisors_processes_get_sighup_when_its_web_configuration_fails(
+    tmp_path: Path,
+) -> None:
+    """Finding 4 in the supervisor: its admin endpoint's file does not load, yet every
+    process still gets its SIGHUP (before: the exception ended the handler first)."""
+    path = web_config(tmp_path, USERS)
+    settings_ = load_settings(["--worker-id", "3", "--web-config-file", path], {})
+    supervisor = Supervisor(settings_)
+    admin = AdminServer(
+        CollectorRegistry(),
+        settings_.admin,
+        ready=lambda: (None, {}),
+        live=lambda: None,
+        bound=listen_socket("127.0.0.1", 0, reuse_port=False),
+        web=load_web_config(path),
+    )
+    supervisor._admin = admin
+    child = Child(0, settings_, configured_origin(settings_))
+    supervisor.adopt(child)
+    process = subprocess.Popen(["sleep", "60"])
+    child.process = process  # type: ignore[assignment]
+    try:
+        Path(path).write_text(TLS + "  min_version: [TLS12]\n", encoding="utf-8")
+        supervisor._reload()
+        assert process.wait(5) == -signal.SIGHUP
+        assert admin.web.users  # the old settings kept
+    finally:
+        process.kill()
+        process.wait()
+        admin.stop()
