@@ -20,7 +20,7 @@ from snowflake_thrift_client import ZooKeeperDiscovery
 
 from snowflake_server import UnavailableError, decompose
 from snowflake_server._cli import main as snowflake
-from snowflake_server._cluster.access import describe_acl, read_tree_acls
+from snowflake_server._cluster.access import describe_acl, lock_tree, read_tree_acls
 from snowflake_server._errors import ConfigurationError
 from tests.server.test_membership import (  # noqa: F401 - fixtures
     T0,
@@ -242,6 +242,116 @@ def test_a_tree_open_to_others_is_refused_naming_the_znodes(
     assert f"{zk_path}/nodes/0/1 (world:anyone=ALL)" in message
     assert f"{zk_path}/marks/0/1 (world:anyone=ALL)" in message
     assert open_node.slot.serving
+
+
+OPEN = [ACL(Permissions.ALL, Id("world", "anyone"))]
+
+
+@pytest.mark.parametrize("made", ["open", "open below, the service's on top", "another's"])
+def test_a_zk_path_someone_else_made_since_the_first_check_is_refused(
+    member: Make,  # noqa: F811
+    sasl_zk: ZooKeeper,
+    clients: Any,
+    zk_path: str,
+    tmp_path: Path,
+    made: str,
+) -> None:
+    """The first start's race: the check at connect passes on a tree not made yet; an
+    intruder makes --zk-path before the node does; the node must not register in it."""
+    node = service_node(member, sasl_zk, tmp_path, worker_id=1)
+    node.cluster.connect()
+    # Meanwhile (between the check and the first registration), the intruder moves.
+    intruder = clients(**sasl("other"))
+    if made == "open":
+        intruder.create(zk_path, b"", acl=OPEN)
+        named = f"{zk_path} (world:anyone=ALL)"
+    elif made == "open below, the service's on top":
+        # A mark to lower later, then the root handed the service's ACL to look right.
+        intruder.create(f"{zk_path}/marks/0/1", b"0", acl=OPEN, makepath=True)
+        intruder.set_acls(zk_path, [ALL_SERVICE, WORLD_READ])
+        named = f"{zk_path}/marks/0/1 (world:anyone=ALL)"
+    else:
+        intruder.create(zk_path, b"", acl=[ACL(Permissions.ALL, Id("sasl", "other"))])
+        named = f"{zk_path} (not readable by it)"
+    with pytest.raises(ConfigurationError) as refused:
+        node.cluster.register()
+    print(refused.value)
+    assert named in str(refused.value)
+    assert not node.slot.serving
+    glass = clients(auth_data=[("digest", f"super:{SUPER}")])
+    assert glass.exists(f"{zk_path}/nodes/0/1") is None, "nothing registered"
+
+
+def test_a_znode_whose_children_the_service_may_not_list_is_refused(
+    member: Make,  # noqa: F811
+    sasl_zk: ZooKeeper,
+    clients: Any,
+    zk_path: str,
+    tmp_path: Path,
+) -> None:
+    """What is under it went unread, so it could be anyone's: refused, not skipped."""
+    service_node(member, sasl_zk, tmp_path, worker_id=1).join()
+    glass = clients(auth_data=[("digest", f"super:{SUPER}")])
+    glass.create(f"{zk_path}/marks/0/9", b"0", acl=OPEN)
+    no_read = Permissions.ALL & ~Permissions.READ
+    glass.set_acls(f"{zk_path}/marks/0", [ACL(no_read, Id("sasl", "snowflake"))])
+    node = service_node(member, sasl_zk, tmp_path, worker_id=2)
+    with pytest.raises(ConfigurationError) as refused:
+        node.cluster.connect()
+    print(refused.value)
+    assert f"{zk_path}/marks/0 (sasl:snowflake=" in str(refused.value)
+    assert "its children not listable by it" in str(refused.value)
+
+
+def test_one_zk_acl_run_locks_children_unlistable_until_their_parent_was_locked(
+    member: Make,  # noqa: F811
+    sasl_zk: ZooKeeper,
+    clients: Any,
+    zk_path: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    member(hosts=sasl_zk.hosts, worker_id=1).join()  # no auth: an open tree
+    glass = clients(auth_data=[("digest", f"super:{SUPER}")])
+    # The service may change this one's ACL, not list its children (yet).
+    glass.set_acls(f"{zk_path}/marks/0", [ACL(Permissions.ADMIN, Id("sasl", "snowflake"))])
+    file = credentials(tmp_path, "snowflake", USERS["snowflake"])
+    command = ["zk-acl", "--zookeeper", sasl_zk.hosts, "--zk-path", zk_path, "--zk-auth", "sasl",
+               "--zk-credentials-file", file]  # fmt: skip
+    assert snowflake(command) == 0
+    print(capsys.readouterr().out)
+    acls = tree(glass, zk_path)
+    assert f"{zk_path}/marks/0/1" in acls
+    assert all(acl == [ALL_SERVICE, WORLD_READ] for acl in acls.values()), acls
+    assert snowflake(command) == 0
+    assert f"changed 0 znodes under {zk_path}" in capsys.readouterr().out
+
+
+def test_a_registration_that_expires_while_zk_acl_runs_is_skipped(
+    sasl_zk: ZooKeeper, clients: Any, zk_path: str
+) -> None:
+    holder = clients()  # an old node without credentials: its registration is open
+    registration = f"{zk_path}/nodes/0/7"
+    holder.create(registration, b"10.0.0.7:7609", ephemeral=True, makepath=True)
+
+    class ExpiresMeanwhile(KazooClient):  # type: ignore[misc]  # kazoo ships no types
+        """The service's client; the holder's session ends right before its
+        registration's ACL is set (after the tree was read)."""
+
+        def set_acls_async(self, path: str, acls: list[ACL], version: int = -1) -> Any:
+            if path == registration:
+                holder.stop()
+            return super().set_acls_async(path, acls, version)
+
+    client = ExpiresMeanwhile(hosts=sasl_zk.hosts, **sasl("snowflake"))
+    client.start(10)
+    try:
+        changes = lock_tree(client, zk_path, [ALL_SERVICE, WORLD_READ], 10.0)
+    finally:
+        client.stop()
+        client.close()
+    assert [path for path, _, _ in changes] == [zk_path, f"{zk_path}/nodes", f"{zk_path}/nodes/0"]
+    assert all(acl == [ALL_SERVICE, WORLD_READ] for acl in tree(clients(), zk_path).values())
 
 
 def test_a_credentials_file_open_to_others_is_refused(member: Make, tmp_path: Path) -> None:  # noqa: F811
