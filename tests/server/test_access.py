@@ -8,6 +8,7 @@ nodes are ``Cluster``s in this process (``test_membership``'s ``member``).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,12 @@ from tests.support.zookeeper import KAZOO_TLS_SOCKETS, ZkTls, ZooKeeper
 
 pytestmark = pytest.mark.zookeeper
 
-USERS = {"snowflake": "service-secret", "snowflake2": "next-secret", "other": "other-secret"}
+USERS = {
+    "snowflake": "service-secret",
+    "snowflake2": "next-secret",
+    "other": "other-secret",
+    "reader": "reader-secret",
+}
 SUPER = "break-glass-secret"
 ALL_SERVICE = ACL(Permissions.ALL, Id("sasl", "snowflake"))
 WORLD_READ = ACL(Permissions.READ, Id("world", "anyone"))
@@ -48,10 +54,14 @@ def sasl_zk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeper]:
     zk.stop()
 
 
-def credentials(directory: Path, user: str, password: str, *also: str, mode: int = 0o600) -> str:
-    """A credentials file of ``user`` (chmod ``mode``)."""
+def credentials(
+    directory: Path, user: str, password: str, *also: str, mode: int = 0o600, reader: str = ""
+) -> str:
+    """A credentials file of ``user`` (chmod ``mode``), trusting ``also``, letting
+    ``reader`` read."""
     path = directory / f"{user}-{len(list(directory.glob('*.cred')))}.cred"
     lines = [f"user = {user}", f"password = {password}", *(f"also = {a}" for a in also)]
+    lines += [f"reader = {reader}"] if reader else []
     path.write_text("# test credentials\n" + "\n".join(lines) + "\n")
     path.chmod(mode)
     return str(path)
@@ -180,6 +190,46 @@ def test_with_service_read_others_cannot_even_read(
         pytest.raises(ConfigurationError, match="their ACL lets only the service read"),
     ):
         anonymous()
+
+
+def test_a_reader_identity_lists_the_nodes_and_can_change_nothing(
+    member: Make,  # noqa: F811
+    sasl_zk: ZooKeeper,
+    clients: Any,
+    zk_path: str,
+    tmp_path: Path,
+) -> None:
+    """--zk-read-acl service: discovery clients log in as a reader the nodes' file names,
+    never as the service (which may write)."""
+    root = f"{zk_path}/c"  # below a parent the nodes make: see the test above
+    nodes_file = credentials(tmp_path, "snowflake", USERS["snowflake"], reader="sasl:reader")
+    settings = {"zk_auth": "sasl", "zk_credentials_file": nodes_file, "zk_read_acl": "service"}
+    node = member(hosts=sasl_zk.hosts, worker_id=3, zk_path=root, **settings).join()
+    reader_file = credentials(tmp_path, "reader", USERS["reader"])
+    as_reader: dict[str, Any] = {"auth": "sasl", "credentials_file": reader_file}
+    with ZooKeeperDiscovery(sasl_zk.hosts, root, **as_reader) as found:
+        assert found() == [node.address]
+    reader = clients(**sasl("reader"))
+    paths = sorted(tree(reader, zk_path))
+    assert len(paths) == 9  # zk_path, c, layout, nodes, nodes/0, nodes/0/3, marks, ...
+    refused = []
+    for path in paths[1:]:  # zk_path is "/"'s child: deleting it is "/"'s right
+        acl, _ = reader.get_acls(path)
+        assert acl == [ALL_SERVICE, ACL(Permissions.READ, Id("sasl", "reader"))], path
+        attempts: tuple[tuple[str, Callable[[str], object]], ...] = (
+            ("set", lambda p: reader.set(p, b"0")),
+            ("delete", lambda p: reader.delete(p, recursive=False)),
+            ("create under", lambda p: reader.create(f"{p}/intruder", b"")),
+            ("set ACL of", lambda p: reader.set_acls(p, [ACL(31, Id("world", "anyone"))])),
+        )
+        for attempt, call in attempts:
+            with pytest.raises(NoAuthError):
+                call(path)
+            refused.append(f"reader: {attempt} {path}: NoAuthError")
+    print("\n".join(refused))
+    # The start-up check counts the reader neither as the service nor as a writer.
+    other = member(hosts=sasl_zk.hosts, worker_id=4, zk_path=root, **settings).join()
+    assert other.slot.serving
 
 
 def test_discovery_reads_world_readable_registrations_without_credentials(
@@ -356,7 +406,8 @@ def test_a_registration_that_expires_while_zk_acl_runs_is_skipped(
 
 def test_a_credentials_file_open_to_others_is_refused(member: Make, tmp_path: Path) -> None:  # noqa: F811
     file = credentials(tmp_path, "snowflake", "secret", mode=0o640)
-    with pytest.raises(ConfigurationError, match=r"open to group or others \(mode 0640\)"):
+    os.chown(file, -1, os.getegid() + 1)  # a group not this user's own
+    with pytest.raises(ConfigurationError, match=r"open to group or others \(mode 0640,"):
         member(zk_auth="sasl", zk_credentials_file=file).cluster.connect()
 
 
