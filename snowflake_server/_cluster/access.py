@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "TreeAcls",
     "check_access",
     "check_credentials",
+    "check_parents",
     "credentials_refused",
     "describe_acl",
     "lock_tree",
@@ -46,13 +48,18 @@ WRITE_RIGHTS = Permissions.WRITE | Permissions.CREATE | Permissions.DELETE | Per
 under it (a registration), or change its ACL."""
 _ANYONE = Id("world", "anyone")
 _SHOWN = 10  # znodes named in a refusal; the rest are counted
+# Passes of lock_tree: each reaches one level further under znodes it could not list
+# before; the service's tree is 4 levels deep (marks/<dc>/<worker>).
+_PASSES = 8
 
 
 @dataclass
 class TreeAcls:
-    """The ACL of each znode under a root (``None``: this node may not even read it)."""
+    """The ACL of each znode under a root (``None``: this node may not even read it), and
+    the znodes whose children it may not list (what is under them went unread)."""
 
     acls: dict[str, list[ACL] | None]
+    unlisted: list[str]
 
 
 def describe_acl(acl: Iterable[ACL]) -> str:
@@ -74,6 +81,7 @@ def read_tree_acls(client: Any, root: str, timeout_s: float) -> TreeAcls:
     what = f"reading the ACLs of the znodes under {root}"
     deadline = time.monotonic() + timeout_s
     found: dict[str, list[ACL] | None] = {}
+    unlisted: list[str] = []
 
     def left() -> float:
         return max(0.0, deadline - time.monotonic())
@@ -96,13 +104,16 @@ def read_tree_acls(client: Any, root: str, timeout_s: float) -> TreeAcls:
                 raise ZooKeeperSilent(what, timeout_s) from None
             try:
                 names = listing.get(timeout=left())
-            except (NoNodeError, NoAuthError):
+            except NoNodeError:
+                continue
+            except NoAuthError:
+                unlisted.append(path)
                 continue
             except KazooTimeoutError:
                 raise ZooKeeperSilent(what, timeout_s) from None
             prefix = "" if path == "/" else path
             level += [f"{prefix}/{name}" for name in sorted(names)]
-    return TreeAcls(found)
+    return TreeAcls(found, unlisted)
 
 
 def _grants(entry: ACL, ids: tuple[Id, ...]) -> bool:
@@ -121,9 +132,36 @@ def check_access(client: Any, access: ZooKeeperAccess, zk_path: str, timeout_s: 
             "hand out the same ids; see Securing ZooKeeper in docs/operations.md"
         )
         return
+    check_credentials(client, access, zk_path, timeout_s)
+    _check_tree(client, access, zk_path, timeout_s)
+
+
+def check_parents(
+    client: Any, access: ZooKeeperAccess, zk_path: str, parents: Iterable[str], timeout_s: float
+) -> None:
+    """Make ``parents`` (where a node's first writes go: ``nodes/<dc>``, ``marks/<dc>``
+    under ``zk_path``) and read the ACLs of the whole tree again: ``ConfigurationError``
+    as from :func:`check_access` if others could write any of it. Call it after
+    :func:`check_access`, before the first registration.
+
+    Why again: :func:`check_access` passes on a tree that does not exist yet, and
+    whoever creates ``zk_path`` first owns it: someone who did so in between, with an
+    open ACL, would keep it open (``ensure_path`` leaves an existing znode alone), or
+    plant open znodes under it and then hand it our ACL. Once the parents exist and the
+    whole tree is the service's alone, nobody else can create or change anything in it.
+    Nothing to do without auth, or with ``--zk-open-acl``: open is what they ask for."""
+    if not access.authenticated or access.open_acl:
+        return
+    for parent in parents:
+        # Refused: someone else's znode on the way, which the check names.
+        with suppress(NoAuthError):
+            zk_call(client, timeout_s, f"creating {parent}", "ensure_path", parent)
+    _check_tree(client, access, zk_path, timeout_s)
+
+
+def _check_tree(client: Any, access: ZooKeeperAccess, zk_path: str, timeout_s: float) -> None:
     ids = service_ids(access, load_credentials(access.credentials_file))
     who = _who(access, ids[0])
-    check_credentials(client, access, zk_path, timeout_s)
     tree = read_tree_acls(client, zk_path, timeout_s)
     not_ours: list[str] = []
     open_to_others: list[str] = []
@@ -136,11 +174,14 @@ def check_access(client: Any, access: ZooKeeperAccess, zk_path: str, timeout_s: 
             continue
         if any(e.perms & WRITE_RIGHTS and e.id not in ids for e in acl):
             open_to_others.append(f"{path} ({describe_acl(acl)})")
+        if path in tree.unlisted:
+            # What is under it went unchecked: it could be anyone's.
+            not_ours.append(f"{path} ({describe_acl(acl)}: its children not listable by it)")
     if not_ours:
         # Digest credentials are never refused at connect: a wrong password just makes
         # another identity, and this is where it shows.
         raise ConfigurationError(
-            f"ZooKeeper does not let this node, {who}, write the service's znodes: "
+            f"ZooKeeper does not let this node, {who}, write or list the service's znodes: "
             f"{_some(not_ours)}; a wrong user or password in the credentials file, or "
             "znodes another service owns (is --zk-path right?)"
         )
@@ -176,18 +217,31 @@ def lock_tree(
 ) -> list[tuple[str, str, str]]:
     """Give ``root`` and every znode under it ``acl`` (``snowflake zk-acl``): the
     changes as (path, old ACL, new ACL) in words, each made unless ``dry_run``.
-    Idempotent: a znode that has it already is left alone. Raises what ZooKeeper
-    raises (``NoAuthError``: this identity may not change that znode's ACL)."""
-    tree = read_tree_acls(client, root, timeout_s)
+    Idempotent: a znode that has it already is left alone; one gone meanwhile (a
+    registration that expired) is skipped. Raises what ZooKeeper raises
+    (``NoAuthError``: this identity may not change that znode's ACL).
+
+    The tree is read again after each pass that changed something, until one changes
+    nothing (at most ``_PASSES``): a znode this identity could not list until its ACL
+    was set has children the pass before could not see. A dry run makes one pass."""
     wanted = sorted(acl)
-    changes = []
-    for path, found in tree.acls.items():
-        if found is not None and sorted(found) == wanted:
-            continue
-        old = "not readable" if found is None else describe_acl(found)
-        changes.append((path, old, describe_acl(acl)))
-        if not dry_run:
-            zk_call(client, timeout_s, f"setting the ACL of {path}", "set_acls", path, acl)
+    changes: list[tuple[str, str, str]] = []
+    for _ in range(1 if dry_run else _PASSES):
+        tree = read_tree_acls(client, root, timeout_s)
+        changed = False
+        for path, found in tree.acls.items():
+            if found is not None and sorted(found) == wanted:
+                continue
+            old = "not readable" if found is None else describe_acl(found)
+            if not dry_run:
+                try:
+                    zk_call(client, timeout_s, f"setting the ACL of {path}", "set_acls", path, acl)
+                except NoNodeError:
+                    continue  # gone meanwhile (an ephemeral registration): nothing to lock
+                changed = True
+            changes.append((path, old, describe_acl(acl)))
+        if not changed:
+            break
     return changes
 
 

@@ -62,7 +62,7 @@ from .._ids.clocks import boot_clock
 from .._observability.metrics import counter_by
 from .._state.reservation import MarkStore
 from .._state.worker import Worker
-from .access import check_access, credentials_refused
+from .access import check_access, check_parents, credentials_refused
 from .gate import SessionGate
 from .layout_record import LayoutRecord, Stage
 from .lease import Lease
@@ -156,9 +156,10 @@ class Cluster(Collector):
         self._layout = settings.layout
         self._wait = settings.zk_connect_timeout
         self._marks = f"{settings.zk_path}/marks/{self._dc}"
+        self._nodes = f"{settings.zk_path}/nodes/{self._dc}"
         self._client: Any = None
         self.lease = Lease(
-            lambda: self._client, f"{settings.zk_path}/nodes/{self._dc}", self._dc, address,
+            lambda: self._client, self._nodes, self._dc, address,
             self._wait, sleep=self._sleep, interrupted=self._interrupted,
         )  # fmt: skip
         self.record = LayoutRecord(
@@ -261,6 +262,12 @@ class Cluster(Collector):
         could repeat ids, ``StartupDeferred`` if it may pass by itself (a static id
         still held), ``StartupInterrupted`` after :meth:`interrupt`."""
         self._interrupted("about to register")
+        # Before anything is written: the tree check at connect passed on a tree that
+        # did not exist yet, which someone else could have created open since.
+        check_parents(
+            self._client, self._settings.access, self._settings.zk_path,
+            (self._nodes, self._marks), self._wait,
+        )  # fmt: skip
         self._register(preferred=None, patient=True, stage=Stage.FIRST_START)
         self._thread = threading.Thread(target=self._supervise, name="zookeeper", daemon=True)
         self._thread.start()

@@ -183,11 +183,13 @@ def service_ids(access: ZooKeeperAccess, credentials: ZooKeeperCredentials) -> t
 
 def service_acl(access: ZooKeeperAccess, credentials: ZooKeeperCredentials) -> list[ACL]:
     """The ACL of the service's znodes: all rights for its identities, reading for
-    anyone with ``read_acl`` world; anyone may do anything with ``open_acl`` (a
+    the credentials' ``readers`` (the discovery clients' identities) and, with
+    ``read_acl`` world, for anyone; anyone may do anything with ``open_acl`` (a
     migration: nodes without credentials must keep writing)."""
     if access.open_acl:
         return [ACL(Permissions.ALL, Id("world", "anyone"))]
     acl = [ACL(Permissions.ALL, each) for each in service_ids(access, credentials)]
+    acl += [ACL(Permissions.READ, Id(*each.split(":", 1))) for each in credentials.readers]
     if access.read_acl == "world":
         acl.append(ACL(Permissions.READ, Id("world", "anyone")))
     return acl

@@ -266,11 +266,13 @@ OPTIONS: tuple[Option, ...] = (
            "credentials are refused or existing znodes let others write.",
            "{none,sasl,digest}"),
     Option("zk_credentials_file", str,
-           "File of the ZooKeeper credentials (user = ..., password = ...; chmod 600: one "
-           "open to group or others is refused); see docs/operations.md.", "FILE"),
+           "File of the ZooKeeper credentials (user = ..., password = ...; chmod 600, or "
+           "0440 in this user's own group as kubelet mounts a Secret under fsGroup: any "
+           "other access for group or others is refused); see docs/operations.md.", "FILE"),
     Option("zk_read_acl", str,
            "Who may read the service's znodes: world (discovery clients without "
-           "credentials) or service (only the service's identities).", "{world,service}"),
+           "credentials) or service (only the service's identities and the credentials "
+           "file's reader ones).", "{world,service}"),
     Option("zk_open_acl", _bool,
            "Migration to ZooKeeper ACLs only: authenticate, but create znodes anyone may "
            "write and accept such ones, so nodes without credentials keep working; drop it "

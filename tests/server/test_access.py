@@ -8,6 +8,7 @@ nodes are ``Cluster``s in this process (``test_membership``'s ``member``).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from snowflake_thrift_client import ZooKeeperDiscovery
 
 from snowflake_server import UnavailableError, decompose
 from snowflake_server._cli import main as snowflake
-from snowflake_server._cluster.access import describe_acl, read_tree_acls
+from snowflake_server._cluster.access import describe_acl, lock_tree, read_tree_acls
 from snowflake_server._errors import ConfigurationError
 from tests.server.test_membership import (  # noqa: F401 - fixtures
     T0,
@@ -32,7 +33,12 @@ from tests.support.zookeeper import KAZOO_TLS_SOCKETS, ZkTls, ZooKeeper
 
 pytestmark = pytest.mark.zookeeper
 
-USERS = {"snowflake": "service-secret", "snowflake2": "next-secret", "other": "other-secret"}
+USERS = {
+    "snowflake": "service-secret",
+    "snowflake2": "next-secret",
+    "other": "other-secret",
+    "reader": "reader-secret",
+}
 SUPER = "break-glass-secret"
 ALL_SERVICE = ACL(Permissions.ALL, Id("sasl", "snowflake"))
 WORLD_READ = ACL(Permissions.READ, Id("world", "anyone"))
@@ -48,10 +54,14 @@ def sasl_zk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeper]:
     zk.stop()
 
 
-def credentials(directory: Path, user: str, password: str, *also: str, mode: int = 0o600) -> str:
-    """A credentials file of ``user`` (chmod ``mode``)."""
+def credentials(
+    directory: Path, user: str, password: str, *also: str, mode: int = 0o600, reader: str = ""
+) -> str:
+    """A credentials file of ``user`` (chmod ``mode``), trusting ``also``, letting
+    ``reader`` read."""
     path = directory / f"{user}-{len(list(directory.glob('*.cred')))}.cred"
     lines = [f"user = {user}", f"password = {password}", *(f"also = {a}" for a in also)]
+    lines += [f"reader = {reader}"] if reader else []
     path.write_text("# test credentials\n" + "\n".join(lines) + "\n")
     path.chmod(mode)
     return str(path)
@@ -182,6 +192,46 @@ def test_with_service_read_others_cannot_even_read(
         anonymous()
 
 
+def test_a_reader_identity_lists_the_nodes_and_can_change_nothing(
+    member: Make,  # noqa: F811
+    sasl_zk: ZooKeeper,
+    clients: Any,
+    zk_path: str,
+    tmp_path: Path,
+) -> None:
+    """--zk-read-acl service: discovery clients log in as a reader the nodes' file names,
+    never as the service (which may write)."""
+    root = f"{zk_path}/c"  # below a parent the nodes make: see the test above
+    nodes_file = credentials(tmp_path, "snowflake", USERS["snowflake"], reader="sasl:reader")
+    settings = {"zk_auth": "sasl", "zk_credentials_file": nodes_file, "zk_read_acl": "service"}
+    node = member(hosts=sasl_zk.hosts, worker_id=3, zk_path=root, **settings).join()
+    reader_file = credentials(tmp_path, "reader", USERS["reader"])
+    as_reader: dict[str, Any] = {"auth": "sasl", "credentials_file": reader_file}
+    with ZooKeeperDiscovery(sasl_zk.hosts, root, **as_reader) as found:
+        assert found() == [node.address]
+    reader = clients(**sasl("reader"))
+    paths = sorted(tree(reader, zk_path))
+    assert len(paths) == 9  # zk_path, c, layout, nodes, nodes/0, nodes/0/3, marks, ...
+    refused = []
+    for path in paths[1:]:  # zk_path is "/"'s child: deleting it is "/"'s right
+        acl, _ = reader.get_acls(path)
+        assert acl == [ALL_SERVICE, ACL(Permissions.READ, Id("sasl", "reader"))], path
+        attempts: tuple[tuple[str, Callable[[str], object]], ...] = (
+            ("set", lambda p: reader.set(p, b"0")),
+            ("delete", lambda p: reader.delete(p, recursive=False)),
+            ("create under", lambda p: reader.create(f"{p}/intruder", b"")),
+            ("set ACL of", lambda p: reader.set_acls(p, [ACL(31, Id("world", "anyone"))])),
+        )
+        for attempt, call in attempts:
+            with pytest.raises(NoAuthError):
+                call(path)
+            refused.append(f"reader: {attempt} {path}: NoAuthError")
+    print("\n".join(refused))
+    # The start-up check counts the reader neither as the service nor as a writer.
+    other = member(hosts=sasl_zk.hosts, worker_id=4, zk_path=root, **settings).join()
+    assert other.slot.serving
+
+
 def test_discovery_reads_world_readable_registrations_without_credentials(
     member: Make,  # noqa: F811
     sasl_zk: ZooKeeper,
@@ -244,9 +294,120 @@ def test_a_tree_open_to_others_is_refused_naming_the_znodes(
     assert open_node.slot.serving
 
 
+OPEN = [ACL(Permissions.ALL, Id("world", "anyone"))]
+
+
+@pytest.mark.parametrize("made", ["open", "open below, the service's on top", "another's"])
+def test_a_zk_path_someone_else_made_since_the_first_check_is_refused(
+    member: Make,  # noqa: F811
+    sasl_zk: ZooKeeper,
+    clients: Any,
+    zk_path: str,
+    tmp_path: Path,
+    made: str,
+) -> None:
+    """The first start's race: the check at connect passes on a tree not made yet; an
+    intruder makes --zk-path before the node does; the node must not register in it."""
+    node = service_node(member, sasl_zk, tmp_path, worker_id=1)
+    node.cluster.connect()
+    # Meanwhile (between the check and the first registration), the intruder moves.
+    intruder = clients(**sasl("other"))
+    if made == "open":
+        intruder.create(zk_path, b"", acl=OPEN)
+        named = f"{zk_path} (world:anyone=ALL)"
+    elif made == "open below, the service's on top":
+        # A mark to lower later, then the root handed the service's ACL to look right.
+        intruder.create(f"{zk_path}/marks/0/1", b"0", acl=OPEN, makepath=True)
+        intruder.set_acls(zk_path, [ALL_SERVICE, WORLD_READ])
+        named = f"{zk_path}/marks/0/1 (world:anyone=ALL)"
+    else:
+        intruder.create(zk_path, b"", acl=[ACL(Permissions.ALL, Id("sasl", "other"))])
+        named = f"{zk_path} (not readable by it)"
+    with pytest.raises(ConfigurationError) as refused:
+        node.cluster.register()
+    print(refused.value)
+    assert named in str(refused.value)
+    assert not node.slot.serving
+    glass = clients(auth_data=[("digest", f"super:{SUPER}")])
+    assert glass.exists(f"{zk_path}/nodes/0/1") is None, "nothing registered"
+
+
+def test_a_znode_whose_children_the_service_may_not_list_is_refused(
+    member: Make,  # noqa: F811
+    sasl_zk: ZooKeeper,
+    clients: Any,
+    zk_path: str,
+    tmp_path: Path,
+) -> None:
+    """What is under it went unread, so it could be anyone's: refused, not skipped."""
+    service_node(member, sasl_zk, tmp_path, worker_id=1).join()
+    glass = clients(auth_data=[("digest", f"super:{SUPER}")])
+    glass.create(f"{zk_path}/marks/0/9", b"0", acl=OPEN)
+    no_read = Permissions.ALL & ~Permissions.READ
+    glass.set_acls(f"{zk_path}/marks/0", [ACL(no_read, Id("sasl", "snowflake"))])
+    node = service_node(member, sasl_zk, tmp_path, worker_id=2)
+    with pytest.raises(ConfigurationError) as refused:
+        node.cluster.connect()
+    print(refused.value)
+    assert f"{zk_path}/marks/0 (sasl:snowflake=" in str(refused.value)
+    assert "its children not listable by it" in str(refused.value)
+
+
+def test_one_zk_acl_run_locks_children_unlistable_until_their_parent_was_locked(
+    member: Make,  # noqa: F811
+    sasl_zk: ZooKeeper,
+    clients: Any,
+    zk_path: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    member(hosts=sasl_zk.hosts, worker_id=1).join()  # no auth: an open tree
+    glass = clients(auth_data=[("digest", f"super:{SUPER}")])
+    # The service may change this one's ACL, not list its children (yet).
+    glass.set_acls(f"{zk_path}/marks/0", [ACL(Permissions.ADMIN, Id("sasl", "snowflake"))])
+    file = credentials(tmp_path, "snowflake", USERS["snowflake"])
+    command = ["zk-acl", "--zookeeper", sasl_zk.hosts, "--zk-path", zk_path, "--zk-auth", "sasl",
+               "--zk-credentials-file", file]  # fmt: skip
+    assert snowflake(command) == 0
+    print(capsys.readouterr().out)
+    acls = tree(glass, zk_path)
+    assert f"{zk_path}/marks/0/1" in acls
+    assert all(acl == [ALL_SERVICE, WORLD_READ] for acl in acls.values()), acls
+    assert snowflake(command) == 0
+    assert f"changed 0 znodes under {zk_path}" in capsys.readouterr().out
+
+
+def test_a_registration_that_expires_while_zk_acl_runs_is_skipped(
+    sasl_zk: ZooKeeper, clients: Any, zk_path: str
+) -> None:
+    holder = clients()  # an old node without credentials: its registration is open
+    registration = f"{zk_path}/nodes/0/7"
+    holder.create(registration, b"10.0.0.7:7609", ephemeral=True, makepath=True)
+
+    class ExpiresMeanwhile(KazooClient):  # type: ignore[misc]  # kazoo ships no types
+        """The service's client; the holder's session ends right before its
+        registration's ACL is set (after the tree was read)."""
+
+        def set_acls_async(self, path: str, acls: list[ACL], version: int = -1) -> Any:
+            if path == registration:
+                holder.stop()
+            return super().set_acls_async(path, acls, version)
+
+    client = ExpiresMeanwhile(hosts=sasl_zk.hosts, **sasl("snowflake"))
+    client.start(10)
+    try:
+        changes = lock_tree(client, zk_path, [ALL_SERVICE, WORLD_READ], 10.0)
+    finally:
+        client.stop()
+        client.close()
+    assert [path for path, _, _ in changes] == [zk_path, f"{zk_path}/nodes", f"{zk_path}/nodes/0"]
+    assert all(acl == [ALL_SERVICE, WORLD_READ] for acl in tree(clients(), zk_path).values())
+
+
 def test_a_credentials_file_open_to_others_is_refused(member: Make, tmp_path: Path) -> None:  # noqa: F811
     file = credentials(tmp_path, "snowflake", "secret", mode=0o640)
-    with pytest.raises(ConfigurationError, match=r"open to group or others \(mode 0640\)"):
+    os.chown(file, -1, os.getegid() + 1)  # a group not this user's own
+    with pytest.raises(ConfigurationError, match=r"open to group or others \(mode 0640,"):
         member(zk_auth="sasl", zk_credentials_file=file).cluster.connect()
 
 

@@ -11,8 +11,9 @@ ZooKeeper cannot be reached.
 
 It needs kazoo, which this package does not install by default:
 ``pip install 'snowflake-thrift-client[zookeeper]'``. A ZooKeeper whose znodes only
-the service may read (``--zk-read-acl service``) needs the service's credentials:
-``auth="sasl"`` or ``"digest"`` and ``credentials_file`` (the servers' format).
+the service may read (``--zk-read-acl service``) needs a reader identity the servers'
+credentials file names (``reader = sasl:USER``), never the service's own (it may
+write): ``auth="sasl"`` or ``"digest"`` and ``credentials_file`` (the servers' format).
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ class ZooKeeperDiscovery(Closing):
             raise ConfigurationError(
                 f"ZooKeeper refused to let this client read the registrations under "
                 f"{self._root}: their ACL lets only the service read (--zk-read-acl "
-                "service); give ZooKeeperDiscovery the service's credentials (auth=, "
-                "credentials_file=)"
+                "service); give ZooKeeperDiscovery the credentials of a reader the "
+                "servers' credentials file names (reader = ...; auth=, credentials_file=)"
             ) from None
 
     def _registered(self, client: Any) -> list[str]:

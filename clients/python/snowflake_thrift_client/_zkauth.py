@@ -7,12 +7,18 @@ The file holds ``key = value`` lines (``#`` starts a comment line)::
     password = a long random secret
     # during a credential rotation only: another identity that shares the service's znodes
     also = sasl:snowflake-2
+    # the discovery clients' identity: it may read the service's znodes, nothing else
+    reader = sasl:snowflake-reader
 
 ``password`` is everything after the first ``=``, spaces around it dropped. ``also``
 (repeatable) names an ACL id, ``sasl:USER`` or ``digest:USER:BASE64-SHA1`` (see
-docs/operations.md), that the service trusts as itself. The file must not be readable
-by group or others: credentials never come from the command line or the environment,
-where ``ps`` and ``/proc`` show them.
+docs/operations.md), that the service trusts as itself; ``reader`` (repeatable) one
+the service lets read its znodes only (with ``--zk-read-acl service``, the identity to
+give discovery clients). The file must not be readable by others, nor by a group
+other than this user's own in a file of root or this user (the shape of a Kubernetes
+Secret mounted under ``fsGroup``: root, the pod's group, mode 0440): credentials
+never come from the command line or the environment, where ``ps`` and ``/proc`` show
+them.
 """
 
 from __future__ import annotations
@@ -24,7 +30,13 @@ from typing import Any
 
 from ._errors import ConfigurationError
 
-__all__ = ["AUTH_SCHEMES", "ZooKeeperCredentials", "kazoo_auth", "load_credentials"]
+__all__ = [
+    "AUTH_SCHEMES",
+    "ZooKeeperCredentials",
+    "kazoo_auth",
+    "load_credentials",
+    "private_file",
+]
 
 AUTH_SCHEMES = ("none", "sasl", "digest")
 """``none``: anonymous; ``sasl``: SASL DIGEST-MD5 (the server's JAAS users);
@@ -39,9 +51,14 @@ class ZooKeeperCredentials:
     user: str
     password: str
     also: tuple[str, ...] = ()
+    readers: tuple[str, ...] = ()
+    """ACL ids (``sasl:USER``, ``digest:USER:HASH``) allowed to read the service's znodes."""
 
     def __repr__(self) -> str:
-        return f"ZooKeeperCredentials(user={self.user!r}, password=<hidden>, also={self.also!r})"
+        return (
+            f"ZooKeeperCredentials(user={self.user!r}, password=<hidden>, also={self.also!r}, "
+            f"readers={self.readers!r})"
+        )
 
 
 def load_credentials(path: str) -> ZooKeeperCredentials:
@@ -52,12 +69,15 @@ def load_credentials(path: str) -> ZooKeeperCredentials:
     except OSError as e:
         raise ConfigurationError(f"ZooKeeper credentials file {path}: {e.strerror}") from None
     with os.fdopen(fd, "rb") as file:
-        mode = os.fstat(file.fileno()).st_mode
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        st = os.fstat(file.fileno())
+        if not private_file(st):
             raise ConfigurationError(
                 f"ZooKeeper credentials file {path} is open to group or others "
-                f"(mode {stat.S_IMODE(mode):04o}): anyone who reads it can break the "
-                f"uniqueness of ids; chmod 600 {path}"
+                f"(mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}, group gid "
+                f"{st.st_gid}): anyone who reads it can break the uniqueness of ids; chmod "
+                f"600 {path} (group-readable is accepted only in a file of root or this user "
+                f"whose group is this user's own, gid {os.getegid()}: a Kubernetes Secret "
+                "mounted under fsGroup)"
             )
         raw = file.read()
     try:
@@ -65,26 +85,26 @@ def load_credentials(path: str) -> ZooKeeperCredentials:
     except UnicodeDecodeError:
         raise ConfigurationError(f"ZooKeeper credentials file {path} is not UTF-8") from None
     values: dict[str, str] = {}
-    also: list[str] = []
+    ids: dict[str, list[str]] = {"also": [], "reader": []}
     for number, line in enumerate(text.splitlines(), 1):
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
             continue
         key, sep, value = stripped.partition("=")
         key, value = key.strip(), value.strip()
-        if not sep or key not in ("user", "password", "also"):
+        if not sep or key not in ("user", "password", "also", "reader"):
             # The line is not shown: it may be a password.
             raise ConfigurationError(
                 f"ZooKeeper credentials file {path}, line {number}: expected user = ..., "
-                "password = ... or also = sasl:USER / digest:USER:HASH"
+                "password = ..., also = or reader = sasl:USER / digest:USER:HASH"
             )
-        if key == "also":
+        if key in ids:
             if not _acl_id(value):
                 raise ConfigurationError(
-                    f"ZooKeeper credentials file {path}, line {number}: also must be "
+                    f"ZooKeeper credentials file {path}, line {number}: {key} must be "
                     f"sasl:USER or digest:USER:BASE64-SHA1, got {value!r}"
                 )
-            also.append(value)
+            ids[key].append(value)
         elif key in values:
             raise ConfigurationError(f"ZooKeeper credentials file {path}: {key} given twice")
         else:
@@ -94,7 +114,24 @@ def load_credentials(path: str) -> ZooKeeperCredentials:
             raise ConfigurationError(f"ZooKeeper credentials file {path}: no {key} = ...")
     if ":" in values["user"]:
         raise ConfigurationError(f"ZooKeeper credentials file {path}: user may not hold ':'")
-    return ZooKeeperCredentials(values["user"], values["password"], tuple(also))
+    return ZooKeeperCredentials(
+        values["user"], values["password"], tuple(ids["also"]), tuple(ids["reader"])
+    )
+
+
+def private_file(st: os.stat_result) -> bool:
+    """Whether the file ``st`` describes is readable by this user (and root) only: no
+    bit for others; group read only if root or this user owns it and its group is this
+    user's own (``getegid``), as kubelet mounts a Secret under ``fsGroup`` (root, the
+    pod's group, ``defaultMode`` 0440). Never group write: a member could swap the
+    identity."""
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IRWXO:
+        return False
+    group = mode & stat.S_IRWXG
+    if not group:
+        return True
+    return group == stat.S_IRGRP and st.st_uid in (0, os.geteuid()) and st.st_gid == os.getegid()
 
 
 def _acl_id(text: str) -> bool:
