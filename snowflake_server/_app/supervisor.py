@@ -173,7 +173,8 @@ class Supervisor(Collector):
     where the first worker id came from (see ``resolve_worker_id``). ``clock`` is
     monotonic seconds (the supervision loop's timing: restarts, bounds, answers' age).
     ``rounds_pool`` is the threads a round's requests run on, one per request (the
-    caller's to shut down); by default :meth:`run` starts its own.
+    caller's to shut down); by default :meth:`run` starts its own. ``admin`` is an admin
+    endpoint already serving (the caller's to stop); by default :meth:`run` opens its own.
 
     As a collector it reports the restarts, by reason (exited, unresponsive, failed).
     """
@@ -186,12 +187,13 @@ class Supervisor(Collector):
         origin: WorkerIdOrigin | None = None,
         clock: Callable[[], float] = time.monotonic,
         rounds_pool: ThreadPoolExecutor | None = None,
+        admin: AdminServer | None = None,
     ) -> None:
         self._settings = settings
         self._origin = configured_origin(settings) if origin is None else origin
         self._log_file = log_file
         self._clock = clock
-        self._admin: AdminServer | None = None
+        self._admin = admin
         self._stop = threading.Event()
         self._serving = threading.Event()  # every process started: a stop drains now
         self._children: list[Child] = []
@@ -267,7 +269,7 @@ class Supervisor(Collector):
             # From the start: a SIGTERM while the processes start stops them cleanly.
             on_signal(signal.SIGTERM, self.stop)
             on_signal(signal.SIGINT, self.stop)
-            on_signal(signal.SIGHUP, lambda _name: self._reload())
+            on_signal(signal.SIGHUP, lambda _name: self.reload())
             for index in range(settings.processes):
                 if self._stop.is_set():
                     break
@@ -377,7 +379,9 @@ class Supervisor(Collector):
         self._notifier.stopping(f"draining for {self._settings.drain_seconds:g} s")
         self._stop.set()
 
-    def _reload(self) -> None:
+    def reload(self) -> None:
+        """What SIGHUP does: reopen the log file, reload the admin endpoint's web
+        configuration, and pass SIGHUP to every process."""
         # Each step whatever the others met: the processes get their SIGHUP even when the
         # supervisor's own files do not reload.
         if self._log_file is not None:

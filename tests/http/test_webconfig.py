@@ -511,7 +511,6 @@ def test_the_supervisors_processes_get_sighup_when_its_web_configuration_fails(
     process still gets its SIGHUP (before: the exception ended the handler first)."""
     path = web_config(tmp_path, USERS)
     settings_ = load_settings(["--worker-id", "3", "--web-config-file", path], {})
-    supervisor = Supervisor(settings_)
     admin = AdminServer(
         CollectorRegistry(),
         settings_.admin,
@@ -520,14 +519,14 @@ def test_the_supervisors_processes_get_sighup_when_its_web_configuration_fails(
         bound=listen_socket("127.0.0.1", 0, reuse_port=False),
         web=load_web_config(path),
     )
-    supervisor._admin = admin
+    supervisor = Supervisor(settings_, admin=admin)
     child = Child(0, settings_, configured_origin(settings_))
     supervisor.adopt(child)
     process = subprocess.Popen(["sleep", "60"])
     child.process = process  # type: ignore[assignment]
     try:
         Path(path).write_text(TLS + "  min_version: [TLS12]\n", encoding="utf-8")
-        supervisor._reload()
+        supervisor.reload()
         assert process.wait(5) == -signal.SIGHUP
         assert admin.web.users  # the old settings kept
     finally:
