@@ -288,3 +288,9 @@ def test_kazoo_times_out_on_every_tls_failure(tls_zk: ZooKeeper) -> None:
         client.start(timeout=2)
     client.stop()
     client.close()
+
+
+@pytest.mark.parametrize("given", [{"ca": None}, {"ca": "ca.pem", "verify_certs": False}])
+def test_the_handler_refuses_tls_that_trusts_nothing_or_anything(given: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="give ca"):
+        CaOnlyHandler().create_connection(("127.0.0.1", 1), use_ssl=True, **given)
