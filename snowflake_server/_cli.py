@@ -34,8 +34,8 @@ from snowflake_thrift_client import (
 )
 from thriftpy2.thrift import TApplicationException
 
-from ._config.options import OPTIONS
-from ._config.settings import ServerSettings
+from ._config.options import OPTIONS, in_flags
+from ._config.settings import ServerSettings, ZooKeeperAccess
 from ._ids.layouts import layout_from
 from ._version import __version__
 
@@ -192,6 +192,7 @@ def _get(args: argparse.Namespace, servers: list[tuple[str, int]]) -> int:
     try:
         if not args.zookeeper:
             return _get_from(args, servers)
+        _zk_access(args, args.zk_auth, args.zk_credentials_file)  # the TLS flags, as the server
         with ZooKeeperDiscovery(
             args.zookeeper, args.zk_path, timeout=args.timeout, auth=args.zk_auth,
             credentials_file=args.zk_credentials_file, tls_ca=args.zk_tls_ca,
@@ -211,6 +212,25 @@ def _zk_tls_flags(command: argparse.ArgumentParser) -> None:
         ("--zk-tls-key", "the key of --zk-tls-cert (PEM)"),
     ):
         command.add_argument(flag, default="", metavar="FILE", help=what)
+
+
+def _zk_access(
+    args: argparse.Namespace, auth: str, credentials_file: str, read_acl: str = "world"
+) -> ZooKeeperAccess:
+    """The ZooKeeper access of a command's flags, checked as the server checks its own
+    (the same words): a half-given TLS setting or a TLS file that cannot be loaded is a
+    ``ConfigurationError`` (exit 2), not a connection in the clear or a time-out."""
+    from ._cluster.zk import check_tls_files
+
+    try:
+        access = ZooKeeperAccess(
+            auth, credentials_file, read_acl,
+            tls_ca=args.zk_tls_ca, tls_cert=args.zk_tls_cert, tls_key=args.zk_tls_key,
+        )  # fmt: skip
+    except ConfigurationError as e:
+        raise ConfigurationError(in_flags(str(e))) from None
+    check_tls_files(access)
+    return access
 
 
 def _get_from(args: argparse.Namespace, servers: list[tuple[str, int]] | Discovery) -> int:
@@ -249,13 +269,9 @@ def _zk_acl(args: argparse.Namespace) -> int:
 
     from ._cluster.access import check_credentials, lock_tree
     from ._cluster.zk import client_options, describe_zk_error, service_acl
-    from ._config.settings import ZooKeeperAccess
     from ._errors import StartupDeferred
 
-    access = ZooKeeperAccess(
-        args.zk_auth, args.zk_credentials_file, args.zk_read_acl,
-        tls_ca=args.zk_tls_ca, tls_cert=args.zk_tls_cert, tls_key=args.zk_tls_key,
-    )  # fmt: skip
+    access = _zk_access(args, args.zk_auth, args.zk_credentials_file, args.zk_read_acl)
     acl = service_acl(access, load_credentials(access.credentials_file))
     client = KazooClient(hosts=args.zookeeper, timeout=args.timeout, **client_options(access))
     try:

@@ -29,6 +29,7 @@ from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry, RetryFailedError
 from kazoo.security import ACL, Id, Permissions, make_digest_acl_credential
 from snowflake_thrift_client._zkauth import ZooKeeperCredentials, kazoo_auth, load_credentials
+from snowflake_thrift_client._zkkazoo import hide_credentials_in_logs, kazoo_tls
 
 from .._config.settings import ZooKeeperAccess
 from .._errors import ConfigurationError, StartupDeferred
@@ -149,10 +150,15 @@ def client_options(access: ZooKeeperAccess) -> dict[str, Any]:
     it to ``create`` and to each parent ``ensure_path`` and ``makepath`` make);
     ``ConfigurationError`` if the credentials file cannot be used.
 
-    TLS: kazoo builds a new SSL context from the files at every connection attempt, so
+    TLS: trusting only ``access.tls_ca`` (kazoo's own TLS would trust the system's CAs
+    too), with a new SSL context from the files at every connection attempt, so
     certificate files replaced in place are used from the next reconnection on, in the
     same session. Hostname verification is on (kazoo's default is off: a certificate
-    issued to any host would do)."""
+    issued to any host would do). A new dict, with its own handler, for each client.
+
+    kazoo's log never shows the credentials (it logs the digest ``Auth`` request at
+    DEBUG): its loggers get a filter that hides them."""
+    hide_credentials_in_logs()
     options: dict[str, Any] = {}
     if access.authenticated:
         credentials = load_credentials(access.credentials_file)
@@ -160,12 +166,7 @@ def client_options(access: ZooKeeperAccess) -> dict[str, Any]:
         options["default_acl"] = service_acl(access, credentials)
     if access.tls:
         options.update(
-            use_ssl=True,
-            ca=access.tls_ca,
-            certfile=access.tls_cert or None,
-            keyfile=access.tls_key or None,
-            verify_certs=True,
-            check_hostname=access.tls_verify_hostname,
+            kazoo_tls(access.tls_ca, access.tls_cert, access.tls_key, access.tls_verify_hostname)
         )
     return options
 

@@ -37,6 +37,7 @@ __all__ = [
     "Option",
     "build_parser",
     "default_state_dir",
+    "in_flags",
     "load_settings",
     "worker_id_text",
 ]
@@ -491,8 +492,14 @@ def load_settings(
             where, raw = origin[given[0].name]
             raise ConfigurationError(f"{where}: invalid value {raw!r}: {e}") from None
         # Several settings at fault (a layout, a combination): name them as flags.
-        message = str(e)
-        for o in named:
-            message = re.sub(rf"\b{o.name}\b", o.flag, message)
+        message = in_flags(str(e))
         where = "; ".join(origin[o.name][0] for o in given if origin[o.name][0] != o.flag)
         raise ConfigurationError(f"{message} (set by {where})" if where else message) from None
+
+
+def in_flags(message: str) -> str:
+    """``message`` of a ``ConfigurationError`` from the settings, each setting it names
+    (``zk_tls_cert``) said as its flag (``--zk-tls-cert``)."""
+    for option in OPTIONS:
+        message = re.sub(rf"\b{option.name}\b", option.flag, message)
+    return message

@@ -37,6 +37,7 @@ __all__ = [
     "ServingSettings",
     "WorkerSettings",
     "ZooKeeperAccess",
+    "check_zk_tls",
 ]
 
 AUTO_WORKER_ID = -1
@@ -108,6 +109,21 @@ ZK_AUTHS = ("none", "sasl", "digest")
 ZK_READ_ACLS = ("world", "service")
 
 
+def check_zk_tls(ca: str, cert: str, key: str) -> None:
+    """The ZooKeeper TLS settings' one check, for the server and every command that
+    reaches ZooKeeper: ``ConfigurationError`` naming the settings (``zk_tls_*``) unless
+    the certificate and key come together, and with the CA (TLS is on when it is given:
+    without it they would be dropped and the connection made in the clear)."""
+    if bool(cert) != bool(key):
+        raise ConfigurationError(
+            "zk_tls_cert and zk_tls_key go together (a client certificate and its key)"
+        )
+    if cert and not ca:
+        raise ConfigurationError(
+            "zk_tls_cert needs zk_tls_ca: TLS to ZooKeeper is on when its CA is given"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class ZooKeeperAccess:
     """Who this node is to ZooKeeper, what the znodes it creates let others do, and how
@@ -133,6 +149,9 @@ class ZooKeeperAccess:
     tls_cert: str = ""
     tls_key: str = ""
     tls_verify_hostname: bool = True
+
+    def __post_init__(self) -> None:
+        check_zk_tls(self.tls_ca, self.tls_cert, self.tls_key)
 
     @property
     def authenticated(self) -> bool:
@@ -357,7 +376,7 @@ class ServerSettings:
             )
         if (self.tls_key or self.tls_client_ca) and not self.tls_cert:
             raise ConfigurationError("tls_key and tls_client_ca need tls_cert")
-        _zk_tls(self.zk_tls_ca, self.zk_tls_cert, self.zk_tls_key)
+        check_zk_tls(self.zk_tls_ca, self.zk_tls_cert, self.zk_tls_key)
         if self.worker_id == AUTO_WORKER_ID and not self.zookeeper:
             raise ConfigurationError("worker_id auto leases ids from ZooKeeper: give zookeeper")
         worker_id = self.worker_id
@@ -460,17 +479,6 @@ class ServerSettings:
 
 
 _View = TypeVar("_View", WorkerSettings, ClusterSettings, ServingSettings)
-
-
-def _zk_tls(ca: str, cert: str, key: str) -> None:
-    if bool(cert) != bool(key):
-        raise ConfigurationError(
-            "zk_tls_cert and zk_tls_key go together (a client certificate and its key)"
-        )
-    if cert and not ca:
-        raise ConfigurationError(
-            "zk_tls_cert needs zk_tls_ca: TLS to ZooKeeper is on when its CA is given"
-        )
 
 
 def _machine_source(source: FromMachine, datacenter_id: int, processes: int) -> None:

@@ -18,6 +18,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoAuthError
 from kazoo.security import ACL, Id, Permissions, make_digest_acl_credential
 from snowflake_thrift_client import ZooKeeperDiscovery
+from snowflake_thrift_client._zkkazoo import KAZOO_LOGGERS, HideCredentials
 
 from snowflake_server import UnavailableError, decompose
 from snowflake_server._cli import main as snowflake
@@ -567,3 +568,70 @@ def test_the_migration_command_reaches_an_ensemble_over_tls_with_sasl(
             client.close()
     finally:
         zk.stop()
+
+
+def logged_at_debug(caplog: pytest.LogCaptureFixture, step: Callable[[], object]) -> list[str]:
+    """Every message logged, by any logger at DEBUG, while ``step`` makes its clients:
+    kazoo's loggers first lose the filter an earlier client put there, so each maker
+    must put it back itself."""
+    for name in KAZOO_LOGGERS:
+        logger = logging.getLogger(name)
+        for each in [f for f in logger.filters if isinstance(f, HideCredentials)]:
+            logger.removeFilter(each)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        step()
+    return [record.getMessage() for record in caplog.records]
+
+
+def discover(hosts: str, zk_path: str, file: str) -> list[str]:
+    with ZooKeeperDiscovery(hosts, zk_path, auth="digest", credentials_file=file) as found:
+        return found()
+
+
+def test_no_digest_password_is_logged_even_at_debug(
+    member: Make,  # noqa: F811
+    sasl_zk: ZooKeeper,
+    zk_path: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """kazoo logs each request it sends at DEBUG, the digest Auth one with its
+    ``user:password``: not one of the three makers of clients (a node, discovery, the
+    migration command) lets it through, whatever the level."""
+    secret = "digest-secret-in-no-log"
+    file = credentials(tmp_path, "svc", secret)
+    acl_command = [
+        "zk-acl",
+        "--zookeeper",
+        sasl_zk.hosts,
+        "--zk-path",
+        zk_path,
+        "--zk-auth",
+        "digest",
+    ]
+    steps: dict[str, Callable[[], object]] = {
+        "node": lambda: member(
+            hosts=sasl_zk.hosts, worker_id=1, zk_auth="digest", zk_credentials_file=file
+        ).join(),
+        "discovery": lambda: discover(sasl_zk.hosts, zk_path, file),
+        "zk-acl": lambda: snowflake([*acl_command, "--zk-credentials-file", file]),
+    }
+    for maker, step in steps.items():
+        messages = logged_at_debug(caplog, step)
+        assert not [m for m in messages if secret in m], maker
+        sent = [m for m in messages if "Auth(auth_type=0, scheme='digest', auth=<hidden>)" in m]
+        assert sent, f"{maker}: the Auth request, logged without its password"
+
+
+def test_no_sasl_response_is_logged_even_at_debug(
+    member: Make,  # noqa: F811
+    sasl_zk: ZooKeeper,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SASL DIGEST-MD5 sends no password, but its response (logged as the request at
+    DEBUG) is a hash of it, open to an offline guess: it is hidden too."""
+    messages = logged_at_debug(caplog, lambda: service_node(member, sasl_zk, tmp_path).join())
+    assert not [m for m in messages if USERS["snowflake"] in m or "response=" in m]
+    assert [m for m in messages if "SASL(challenge=<hidden>)" in m]

@@ -1,14 +1,20 @@
-"""The ``snowflake`` command: get and decode."""
+"""The ``snowflake`` command: get and decode, and the ZooKeeper flags of get and zk-acl."""
 
 from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
+import trustme
 
 from snowflake_server import Layout, decompose
 from snowflake_server._cli import main
+from snowflake_server._cluster.zk import check_tls_files
+from snowflake_server._config.options import load_settings
+from snowflake_server._errors import ConfigurationError
+from tests.support.endpoints import free_port
 from tests.support.examples import SEED_003_JSON
 from tests.support.inprocess import InProcessServer
 
@@ -241,3 +247,44 @@ def test_get_with_a_bad_address_is_a_usage_error(
         main(["get", *flags])
     assert info.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def _zk_tls_cases(directory: Path) -> list[list[str]]:
+    """Half-given or unloadable ``--zk-tls-*`` flags: with each, the server refuses to start."""
+    pem = directory / "ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(pem))
+    missing = str(directory / "missing.pem")
+    return [
+        ["--zk-tls-cert", str(pem), "--zk-tls-key", str(pem)],  # no CA: in the clear
+        ["--zk-tls-ca", str(pem), "--zk-tls-cert", str(pem)],  # no key: dropped
+        ["--zk-tls-ca", missing],
+    ]
+
+
+def _server_refusal(flags: list[str]) -> str:
+    """The server's words for ``flags`` (its start-up check of the TLS files included)."""
+    try:
+        access = load_settings(["--zookeeper", "127.0.0.1:2181", *flags]).zk_access
+        check_tls_files(access)
+    except ConfigurationError as e:
+        return str(e)
+    raise AssertionError(f"the server accepts {flags}")
+
+
+@pytest.mark.parametrize("command", ["zk-acl", "get"])
+def test_zookeeper_tls_flags_are_checked_as_the_server_checks_them(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not a connection in the clear (with a digest password in it), a certificate
+    silently dropped, or a time-out: exit 2 with the server's words, before any
+    connection (nothing listens at the address)."""
+    credentials = tmp_path / "svc.cred"
+    credentials.write_text("user = svc\npassword = secret\n")
+    credentials.chmod(0o600)
+    base = [command, "--zookeeper", f"127.0.0.1:{free_port()}", "--timeout", "1"]
+    if command == "zk-acl":
+        base += ["--zk-auth", "digest", "--zk-credentials-file", str(credentials)]
+    for flags in _zk_tls_cases(tmp_path):
+        assert main([*base, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert err == f"snowflake {command}: error: {_server_refusal(flags)}\n"

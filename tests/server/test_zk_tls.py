@@ -8,6 +8,7 @@ session."""
 from __future__ import annotations
 
 import dataclasses
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ from kazoo.exceptions import NoAuthError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.connection import _CONNECTION_DROP
 from kazoo.security import ACL, Id, Permissions
+from snowflake_thrift_client import ZooKeeperDiscovery
+from snowflake_thrift_client._zkkazoo import CaOnlyHandler
 
 from snowflake_server import ServerSettings
 from snowflake_server._cluster.zk import client_options, tls_hint
@@ -113,6 +116,39 @@ def test_a_server_signed_by_an_untrusted_ca_is_refused(
     assert f"signed by the CA in --zk-tls-ca {other}" in why, why
 
 
+def test_only_the_given_ca_is_trusted_not_the_system_s(
+    tls_zk: ZooKeeper, zk_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server whose certificate a publicly trusted CA signed is refused unless it is
+    --zk-tls-ca's: kazoo's own TLS loads the system's CAs too (a MITM with any public
+    certificate for the host would pass). The server's CA is made "public" here by
+    pointing OpenSSL's default trust at it."""
+    assert tls_zk.tls is not None
+    monkeypatch.setenv("SSL_CERT_FILE", str(tls_zk.tls.ca))
+    system = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    system.load_default_certs()
+    own = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    own.load_verify_locations(str(tls_zk.tls.ca))
+    assert own.get_ca_certs()[0] in system.get_ca_certs(), "the server's CA is the system's"
+    other = tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other))
+    untrusting = tls_zk.tls.with_ca(other)
+    discovery = ZooKeeperDiscovery(
+        tls_zk.hosts, zk_path, timeout=2, tls_ca=str(other),
+        tls_cert=str(untrusting.client_cert), tls_key=str(untrusting.client_key),
+    )  # fmt: skip
+    with discovery, pytest.raises(KazooTimeoutError):
+        discovery()
+    node = InProcessServer(settings_for(tls_zk, zk_path, untrusting), tmp_path / "state")
+    try:
+        node.start()
+    except StartupDeferred as refused:
+        assert f"signed by the CA in --zk-tls-ca {other}" in str(refused)
+    else:
+        node.stop()
+        pytest.fail("a node trusted a ZooKeeper signed by a CA only the system trusts")
+
+
 def test_no_client_certificate_where_one_is_required_is_refused(
     tls_zk: ZooKeeper, zk_path: str, tmp_path: Path
 ) -> None:
@@ -172,10 +208,13 @@ def test_client_options_verify_the_chain_and_the_host_name() -> None:
         ["--zookeeper", "zk:2281", "--zk-tls-ca", "ca.pem", "--zk-tls-cert", "c.pem",
          "--zk-tls-key", "k.pem"]
     ).cluster.access  # fmt: skip
-    assert client_options(access) == {
+    options = client_options(access)
+    assert isinstance(options.pop("handler"), CaOnlyHandler), "the CA only, not the system's"
+    assert options == {
         "use_ssl": True, "ca": "ca.pem", "certfile": "c.pem", "keyfile": "k.pem",
         "verify_certs": True, "check_hostname": True,
     }  # fmt: skip
+    assert client_options(access)["handler"] is not client_options(access)["handler"]
 
 
 def issue(authority: trustme.CA, name: str) -> tuple[trustme.LeafCert, str]:
@@ -249,3 +288,9 @@ def test_kazoo_times_out_on_every_tls_failure(tls_zk: ZooKeeper) -> None:
         client.start(timeout=2)
     client.stop()
     client.close()
+
+
+@pytest.mark.parametrize("given", [{"ca": None}, {"ca": "ca.pem", "verify_certs": False}])
+def test_the_handler_refuses_tls_that_trusts_nothing_or_anything(given: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="give ca"):
+        CaOnlyHandler().create_connection(("127.0.0.1", 1), use_ssl=True, **given)

@@ -31,10 +31,11 @@ __all__ = ["ZooKeeperDiscovery"]
 class ZooKeeperDiscovery(Closing):
     """The nodes registered in ZooKeeper (all datacenters, or only ``datacenter``).
 
-    ``tls_ca``: reach ZooKeeper over TLS, trusting servers signed by this CA (PEM),
-    whose certificates must name the host dialled; ``tls_cert`` and ``tls_key``: the
-    client certificate to present, for servers that require one (as the server's
-    ``--zk-tls-*``)."""
+    ``tls_ca``: reach ZooKeeper over TLS, trusting servers signed by this CA (PEM) and
+    no other (not the system's CAs), whose certificates must name the host dialled;
+    ``tls_cert`` and ``tls_key``: the client certificate to present, for servers that
+    require one (as the server's ``--zk-tls-*``). kazoo's log never shows the
+    credentials."""
 
     def __init__(
         self,
@@ -55,6 +56,9 @@ class ZooKeeperDiscovery(Closing):
             raise ConfigurationError(
                 "ZooKeeperDiscovery needs kazoo: pip install 'snowflake-thrift-client[zookeeper]'"
             ) from None
+        from ._zkkazoo import hide_credentials_in_logs
+
+        hide_credentials_in_logs()  # kazoo logs the digest password at DEBUG otherwise
         # Read now: a credentials file that cannot be used is said at once.
         credentials = load_credentials(credentials_file) if credentials_file else None
         self._auth = kazoo_auth(auth, credentials)
@@ -66,13 +70,7 @@ class ZooKeeperDiscovery(Closing):
             raise ConfigurationError(
                 "tls_cert and tls_key go together, and need tls_ca (TLS is on when it is given)"
             )
-        self._tls: dict[str, Any] = {}
-        if tls_ca:
-            # kazoo checks no host name by default: a certificate for any host would do.
-            self._tls = {
-                "use_ssl": True, "ca": tls_ca, "certfile": tls_cert or None,
-                "keyfile": tls_key or None, "verify_certs": True, "check_hostname": True,
-            }  # fmt: skip
+        self._tls = (tls_ca, tls_cert, tls_key)
         self._client: Any = None
         self._lock = threading.Lock()
 
@@ -83,12 +81,14 @@ class ZooKeeperDiscovery(Closing):
             if self._client is None:
                 from kazoo.client import KazooClient
 
+                from ._zkkazoo import kazoo_tls
+
                 client = KazooClient(
                     hosts=self._hosts,
                     timeout=self._timeout,
                     read_only=True,
                     **self._auth,
-                    **self._tls,
+                    **kazoo_tls(*self._tls),
                 )
                 try:
                     client.start(timeout=self._timeout)
