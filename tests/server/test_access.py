@@ -102,6 +102,25 @@ def tree(client: KazooClient, root: str) -> dict[str, list[ACL] | None]:
     return read_tree_acls(client, root, 10.0).acls
 
 
+def every_write_refused(client: KazooClient, who: str, paths: list[str]) -> list[str]:
+    """Try every write on each of ``paths`` as ``client``: each must raise NoAuthError.
+    The attempts, one line each (printed: the closing note shows them)."""
+    attempts: tuple[tuple[str, Callable[[str], object]], ...] = (
+        ("set", lambda p: client.set(p, b"0")),
+        ("delete", lambda p: client.delete(p, recursive=False)),
+        ("create under", lambda p: client.create(f"{p}/intruder", b"")),
+        ("set ACL of", lambda p: client.set_acls(p, [ACL(31, Id("world", "anyone"))])),
+    )
+    refused = []
+    for path in paths:
+        for attempt, call in attempts:
+            with pytest.raises(NoAuthError):
+                call(path)
+            refused.append(f"{who}: {attempt} {path}: NoAuthError")
+    print("\n".join(refused))
+    return refused
+
+
 def test_every_znode_the_service_creates_lets_only_the_service_write(
     member: Make,  # noqa: F811
     sasl_zk: ZooKeeper,
@@ -149,22 +168,11 @@ def test_others_read_but_cannot_set_delete_or_create_any_znode_of_the_service(
         "digest user": {"auth_data": [("digest", "snowflake:service-secret")]},
     }[who]
     intruder = clients(**options)
-    refused = []
     paths = sorted(tree(intruder, zk_path))
     paths.remove(zk_path)  # "/"'s child: deleting it is "/"'s right (it is not empty)
     for path in paths:
         intruder.get(path)  # world may read
-        attempts: tuple[tuple[str, Callable[[str], object]], ...] = (
-            ("set", lambda p: intruder.set(p, b"0")),
-            ("delete", lambda p: intruder.delete(p, recursive=False)),
-            ("create under", lambda p: intruder.create(f"{p}/intruder", b"")),
-            ("set ACL of", lambda p: intruder.set_acls(p, [ACL(31, Id("world", "anyone"))])),
-        )
-        for attempt, call in attempts:
-            with pytest.raises(NoAuthError):
-                call(path)
-            refused.append(f"{who}: {attempt} {path}: NoAuthError")
-    print("\n".join(refused))
+    refused = every_write_refused(intruder, who, paths)
     assert len(refused) == 4 * 8  # c, layout, nodes, nodes/0, nodes/0/4, marks, marks/0, marks/0/4
     assert node.slot.serving and decompose(node.slot.next_id()).worker_id == 4
 
@@ -213,21 +221,10 @@ def test_a_reader_identity_lists_the_nodes_and_can_change_nothing(
     reader = clients(**sasl("reader"))
     paths = sorted(tree(reader, zk_path))
     assert len(paths) == 9  # zk_path, c, layout, nodes, nodes/0, nodes/0/3, marks, ...
-    refused = []
     for path in paths[1:]:  # zk_path is "/"'s child: deleting it is "/"'s right
         acl, _ = reader.get_acls(path)
         assert acl == [ALL_SERVICE, ACL(Permissions.READ, Id("sasl", "reader"))], path
-        attempts: tuple[tuple[str, Callable[[str], object]], ...] = (
-            ("set", lambda p: reader.set(p, b"0")),
-            ("delete", lambda p: reader.delete(p, recursive=False)),
-            ("create under", lambda p: reader.create(f"{p}/intruder", b"")),
-            ("set ACL of", lambda p: reader.set_acls(p, [ACL(31, Id("world", "anyone"))])),
-        )
-        for attempt, call in attempts:
-            with pytest.raises(NoAuthError):
-                call(path)
-            refused.append(f"reader: {attempt} {path}: NoAuthError")
-    print("\n".join(refused))
+    assert len(every_write_refused(reader, "reader", paths[1:])) == 4 * len(paths[1:])
     # The start-up check counts the reader neither as the service nor as a writer.
     other = member(hosts=sasl_zk.hosts, worker_id=4, zk_path=root, **settings).join()
     assert other.slot.serving
