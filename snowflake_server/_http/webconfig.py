@@ -56,6 +56,7 @@ import collections
 import hashlib
 import hmac
 import ipaddress
+import logging
 import math
 import os
 import re
@@ -73,6 +74,8 @@ import yaml
 from .._errors import ConfigurationError
 
 __all__ = ["PROBE_PATHS", "BasicAuth", "WebConfig", "load_web_config"]
+
+log = logging.getLogger(__name__)
 
 PROBE_PATHS = frozenset({"/livez", "/readyz", "/health"})
 """Served without credentials or a client certificate: orchestrators present neither."""
@@ -272,7 +275,15 @@ def _tls(values: Mapping[str, Any], base: Path) -> tuple[ssl.SSLContext | None, 
             raise _Invalid(f"tls_server_config.curve_preferences: unknown curve {_show(curve)} "
                            f"(known: {', '.join(_CURVES)})")  # fmt: skip
     if len(curves) == 1:
-        context.set_ecdh_curve(_CURVES[curves[0]])
+        try:
+            context.set_ecdh_curve(_CURVES[curves[0]])
+        except ssl.SSLError:
+            # Python before 3.11.5 (Debian 12's) sets only the NIST curves here, not X25519
+            # (EC: UNKNOWN_GROUP); OpenSSL's own order, X25519 first, applies then.
+            log.warning(
+                "--web-config-file: curve_preferences %s cannot be set by this Python's ssl "
+                "module; OpenSSL's default order applies (X25519 first)", curves[0],
+            )  # fmt: skip
     if _typed(values, "tls_server_config", "prefer_server_cipher_suites", bool) is not False:
         context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE  # exporter-toolkit's default
     return context, require

@@ -533,3 +533,18 @@ def test_the_supervisors_processes_get_sighup_when_its_web_configuration_fails(
         process.kill()
         process.wait()
         admin.stop()
+
+
+def test_a_curve_this_python_cannot_set_leaves_openssl_s_order(
+    tmp_path: Path, pki: Pki, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Debian 12's Python (3.11.2) sets only NIST curves: `curve_preferences: [X25519]`,
+    which promtool accepts, stopped the start there (EC: UNKNOWN_GROUP)."""
+
+    def nist_only(self: ssl.SSLContext, name: str) -> None:
+        raise ssl.SSLError(1, "[EC: UNKNOWN_GROUP] unknown group")
+
+    monkeypatch.setattr(ssl.SSLContext, "set_ecdh_curve", nist_only)
+    path = web_config(tmp_path, TLS + "  curve_preferences: [X25519]\n")
+    assert load_web_config(path).scheme == "https"
+    assert "curve_preferences X25519 cannot be set" in caplog.text
