@@ -239,6 +239,7 @@ def overloaded_gauge(server: InProcessServer) -> float:
     raise AssertionError("no snowflake_loop_overloaded")
 
 
+@pytest.mark.slow  # seconds of real time
 def test_a_stalled_serving_loop_makes_a_real_node_unready_but_not_dead(tmp_path: Path) -> None:
     """The loop of a real node is held (a callback that blocks it): the admin thread
     says overloaded once the stall covers half the window, /livez stays 200, and the

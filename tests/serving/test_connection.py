@@ -641,6 +641,7 @@ def test_malformed_buffered_bytes_are_refused_with_a_reply(tmp_path: Path) -> No
         made.close()
 
 
+@pytest.mark.slow  # seconds of real time
 def test_a_call_still_waiting_past_the_grace_is_cut_off_and_issues_nothing_after(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -143,6 +143,7 @@ def test_a_call_cut_off_is_a_protocol_error_and_a_close_between_calls_is_not(
         assert failures(counts, "protocol_error") == 2
 
 
+@pytest.mark.slow  # seconds of real time
 def test_an_idle_client_is_not_dropped_after_3_seconds(server: InProcessServer) -> None:
     client = server.raw_client(timeout_s=10)
     first = client.get_id("idle")
