@@ -44,7 +44,7 @@ def client_requirement(argv: list[str]) -> str:
     if (CLIENT / "pyproject.toml").is_file() and "sdist" not in argv[1:]:
         # A file: URL that pip builds from; absolute, as direct references must be.
         return f"{CLIENT_NAME} @ {CLIENT.as_uri()}"
-    version = (CLIENT / "snowflake_thrift_client" / "VERSION").read_text(encoding="utf-8")
+    version = (HERE / "VERSION").read_text(encoding="utf-8")
     return f"{CLIENT_NAME}=={version.strip()}"
 
 

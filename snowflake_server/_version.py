@@ -1,5 +1,5 @@
-"""The server's version: its distribution's metadata, made from the one ``VERSION`` file
-(``clients/python/snowflake_thrift_client/VERSION``) that the client shares."""
+"""The server's version: its distribution's metadata, made from the repository's one
+``VERSION`` file (the client ships it as ``snowflake_thrift_client/VERSION``, a link)."""
 
 from __future__ import annotations
 

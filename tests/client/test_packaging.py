@@ -39,7 +39,7 @@ from tests.support.endpoints import free_port
 from tests.support.inprocess import InProcessServer
 
 ROOT = Path(__file__).parents[2]
-VERSION = (ROOT / "clients/python/snowflake_thrift_client/VERSION").read_text().strip()
+VERSION = (ROOT / "VERSION").read_text().strip()
 BUILD_TIMEOUT_S = 180
 INSTALL_TIMEOUT_S = 300  # pip may download thriftpy2 from PyPI
 RUN_TIMEOUT_S = 60
