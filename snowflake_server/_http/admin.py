@@ -27,8 +27,9 @@ presents neither, and they tell nothing secret. TLS runs over memory buffers in 
 connection (``TlsSession``, as on the client ports), so the request deadline and the
 connection limit hold from the first byte of the handshake. A bcrypt check (about
 50 ms) runs on a thread of its own, never on the loop that answers the probes; each
-client address has its own budget of checks, one in flight at most, and few wait for
-the thread (:class:`~.webconfig.BasicAuth`): beyond them the answer is 429.
+client address has its own budget of checks, one running or waiting at most (beyond it
+the answer is 429); when all of them together spend the global budget, checks wait their
+turn, the address whose last check is oldest first (:class:`~.webconfig.BasicAuth`).
 SIGHUP reads the file again (:meth:`AdminServer.reload`).
 
 It accepts on its own loop rather than asyncio's ``create_server``: out of file
@@ -53,7 +54,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 from urllib.parse import unquote
 
 from prometheus_client.core import Metric
@@ -66,7 +67,7 @@ from .._serving.listeners import listen_socket, started_threads
 from .._serving.tls import TlsSession
 from .parser import HttpError, Request, RequestParser
 from .responses import error_response, response
-from .webconfig import PROBE_PATHS, BasicAuth, WebConfig
+from .webconfig import PROBE_PATHS, BasicAuth, WebConfig, client_key
 
 __all__ = ["AdminConnection", "AdminServer", "Live", "Ready"]
 
@@ -93,6 +94,7 @@ _PAUSE_MAX_S = 2.0
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _REALM = 'Basic realm="snowflake admin", charset="UTF-8"'
 _NO_WEB_CONFIG = WebConfig("")
+_DISPATCH_FLOOR_S = 0.005
 
 
 class AdminServer(Collector):
@@ -141,6 +143,10 @@ class AdminServer(Collector):
         self.closed_slow = 0  # no whole request, or its answer not taken, in time
         self.accept_pauses = 0  # out of file descriptors (or memory): accepting paused
         self.open: dict[AdminConnection, None] = {}  # oldest first; loop thread only
+        # Requests whose password check waits its turn, by the auth they were accepted
+        # under (a reload keeps the old one's turns) and client key; loop thread only.
+        self._waiters: dict[BasicAuth, dict[str, _Waiter]] = {}
+        self._dispatch_timer: asyncio.TimerHandle | None = None
         if bound is None:
             bound = listen_socket(settings.host, settings.port, reuse_port=False)
         bound.listen(_BACKLOG)
@@ -203,8 +209,9 @@ class AdminServer(Collector):
             "snowflake_admin_requests_denied",
             "Admin endpoint requests (probes never) refused by the web configuration: "
             "no client certificate (403), no or wrong basic-auth credentials (401), or "
-            "throttled (429): the client's or everyone's password checks a second spent, "
-            "the client's last check still running, or too many checks waiting.",
+            "throttled (429): the client's password checks a second spent, its last check "
+            "still running or waiting, or its wait for a turn of the global budget ended "
+            "(a second).",
             "reason",
             self.denied,
         )
@@ -291,22 +298,58 @@ class AdminServer(Collector):
             return _unauthorized(web, head)
         if auth.remembered(*given):
             return self.respond(request, web)
-        client = connection.client
-        if self._checks is None or not auth.may_check(client):
+        if self._checks is None or not auth.ask(connection.client):
             self.denied["throttled"] += 1
-            return error_response(429, "too_many_password_checks",
-                                  "too many password checks: try again in a second",
-                                  head=head, close=True,
-                                  headers=(("Retry-After", "1"), *web.headers))  # fmt: skip
+            return _throttled(web, head)
+        waiters = self._waiters.setdefault(auth, {})
+        waiters[client_key(connection.client)] = _Waiter(request, connection, given)
+        self._dispatch()
+        return None
+
+    def _dispatch(self) -> None:
+        """Start the password checks whose turn has come, turn away those whose wait
+        ended (429), and set the timer for the next turn (loop thread only)."""
+        if self._dispatch_timer is not None:
+            self._dispatch_timer.cancel()
+            self._dispatch_timer = None
+        next_event: float | None = None
+        for auth, waiters in list(self._waiters.items()):
+            started, away = auth.dispatch()
+            for key in away:
+                waiter = waiters.pop(key)
+                self.denied["throttled"] += 1
+                waiter.connection.finish(_throttled(waiter.connection.web,
+                                                    waiter.request.method == "HEAD"))  # fmt: skip
+            for key in started:
+                self._check(auth, waiters.pop(key))
+            if not waiters:
+                del self._waiters[auth]
+                continue
+            event = auth.next_event()
+            if event is not None:
+                delay = event - self.clock()
+                next_event = delay if next_event is None else min(next_event, delay)
+        if next_event is not None:
+            # A floor: a frozen test clock must not spin the loop.
+            delay = max(next_event, _DISPATCH_FLOOR_S)
+            self._dispatch_timer = asyncio.get_running_loop().call_later(delay, self._dispatch)
+
+    def _check(self, auth: BasicAuth, waiter: _Waiter) -> None:
+        """Run the password check ``auth.dispatch`` started; answer when it ends."""
+        request, connection, given = waiter
+        web, client, head = connection.web, connection.client, request.method == "HEAD"
         loop = asyncio.get_running_loop()
+        assert self._checks is not None  # ask() refused without a bcrypt thread
         try:
             checked = loop.run_in_executor(self._checks, auth.check, *given)
         except RuntimeError:  # the thread pool shut down: the server is stopping
             auth.checked(client)
-            raise
+            connection.abort()
+            return
 
         def checked_done(future: asyncio.Future[bool]) -> None:
             auth.checked(client)
+            self._dispatch()  # a check ended: a waiting one may start
             if future.cancelled():
                 return
             try:
@@ -324,7 +367,6 @@ class AdminServer(Collector):
             connection.finish(self.respond(request, web))
 
         checked.add_done_callback(checked_done)
-        return None
 
     def respond(self, request: Request, web: WebConfig = _NO_WEB_CONFIG) -> bytes:
         """The whole response to ``request`` (the connection closes after it)."""
@@ -494,6 +536,21 @@ class AdminConnection(asyncio.Protocol):
 def _header(request: Request, name: str) -> str | None:
     """The first value of header ``name`` (lower case), or None."""
     return next((value for key, value in request.headers if key == name), None)
+
+
+def _throttled(web: WebConfig, head: bool) -> bytes:
+    return error_response(429, "too_many_password_checks",
+                          "too many password checks: try again in a second",
+                          head=head, close=True,
+                          headers=(("Retry-After", "1"), *web.headers))  # fmt: skip
+
+
+class _Waiter(NamedTuple):
+    """A request whose password check waits for its turn."""
+
+    request: Request
+    connection: AdminConnection
+    given: tuple[str, bytes]
 
 
 def _unauthorized(web: WebConfig, head: bool) -> bytes:

@@ -444,16 +444,26 @@ def client_key(address: str) -> str:
 
 
 class BasicAuth:
-    """HTTP basic authentication against bcrypt hashes, its cost bounded.
+    """HTTP basic authentication against bcrypt hashes, its cost bounded and shared fairly.
 
-    :meth:`remembered` answers from the cache (no bcrypt); otherwise :meth:`may_check`
-    says whether a check for a client may start now, :meth:`check` runs it (about
-    50 ms; from a worker thread: bcrypt releases the GIL) and :meth:`checked` says it
-    ended. A check may start when the client has none in flight and a token of its own
-    bucket (``client_checks_per_s``, a burst of 3), the global bucket has one
-    (``checks_per_s``, a burst of as many) and fewer than ``max_pending`` checks are in
-    flight: a client guessing passwords spends its own budget and leaves the others
-    theirs. All but :meth:`check` belong to one thread.
+    :meth:`remembered` answers from the cache (no bcrypt). Otherwise the caller
+    asks for a check (:meth:`ask`) for a client, then calls :meth:`dispatch` (now, after each
+    :meth:`checked`, and at :meth:`next_event`): it says which clients' checks start
+    now and which were turned away (429). :meth:`check` runs one (about 50 ms; from a
+    worker thread: bcrypt releases the GIL) and :meth:`checked` says it ended.
+
+    Each client (its address, an IPv6 one's /64) has its own bucket
+    (``client_checks_per_s``, a burst of 3) and one check in flight or waiting at
+    most: a client guessing passwords spends its own budget. All clients together
+    draw on one global bucket (``checks_per_s``) and at most ``max_pending`` checks
+    run at once. When many addresses guess together they empty the global bucket:
+    a check then waits, up to ``wait_s``, and the next global token goes to the
+    waiting client whose last check started longest ago (never: first). A scraper
+    checking once, among addresses that check every second, is therefore served
+    within a token or two instead of being refused (429) as long as the flood lasts;
+    to starve it an attacker must bring a never-seen address for every token, six
+    a second by default. At most ``max_waiting`` wait; a newcomer that ranks before
+    the last of them takes its place. All but :meth:`check` belong to one thread.
     """
 
     def __init__(
@@ -463,6 +473,8 @@ class BasicAuth:
         checks_per_s: float = 6.0,
         client_checks_per_s: float = 1.0,
         max_pending: int = 8,
+        max_waiting: int = 32,
+        wait_s: float = 1.0,
         max_clients: int = 4096,
         remember: int = 64,
         clock: Callable[[], float] = time.monotonic,
@@ -477,6 +489,13 @@ class BasicAuth:
         self._max_clients = max_clients
         self._in_flight: set[str] = set()
         self._max_pending = max_pending
+        # Waiting clients in arrival order, with their deadlines; the turned away.
+        self._waiting: dict[str, float] = {}
+        self._max_waiting = max_waiting
+        self._wait_s = wait_s
+        self._turned_away: list[str] = []
+        # When each client's last check started, least recent first: its rank in the wait.
+        self._started: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._remember = remember
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         # Keyed digests: a memory dump shows no password, nor a hash to attack offline.
@@ -493,12 +512,18 @@ class BasicAuth:
         """Checks in flight (started and not yet :meth:`checked`)."""
         return len(self._in_flight)
 
-    def may_check(self, client: str) -> bool:
-        """Whether a bcrypt check for ``client`` (its address, see :func:`client_key`)
-        may start now; if so its tokens are taken and it is in flight until
-        :meth:`checked`."""
+    @property
+    def waiting(self) -> int:
+        """Checks asked for and neither started nor turned away yet."""
+        return len(self._waiting)
+
+    def ask(self, client: str) -> bool:
+        """Ask for a bcrypt check for ``client`` (an address, see :func:`client_key`):
+        False if it is refused at once (its own budget is spent, or it has a check in
+        flight or waiting); True if it waits, until :meth:`dispatch` starts it or turns
+        it away. Its own token is taken either way it waits."""
         key = client_key(client)
-        if key in self._in_flight or len(self._in_flight) >= self._max_pending:
+        if key in self._in_flight or key in self._waiting:
             return False
         now = self._clock()
         bucket = self._clients.pop(key, None)
@@ -507,15 +532,63 @@ class BasicAuth:
         self._clients[key] = bucket  # the most recent last
         while len(self._clients) > self._max_clients:
             self._clients.popitem(last=False)
-        if bucket.refill(now) < 1 or self._global.refill(now) < 1:
+        if bucket.refill(now) < 1:
             return False
+        if len(self._waiting) >= self._max_waiting:
+            last = max(self._waiting, key=self._rank)
+            if self._rank(key) >= self._rank(last):
+                return False
+            del self._waiting[last]
+            self._turned_away.append(last)
         bucket.tokens -= 1
-        self._global.tokens -= 1
-        self._in_flight.add(key)
+        self._waiting[key] = now + self._wait_s
         return True
 
+    def _rank(self, key: str) -> float:
+        # max() and min() keep the first of equals: arrival order breaks ties.
+        return self._started.get(key, -math.inf)
+
+    def dispatch(self) -> tuple[list[str], list[str]]:
+        """The clients whose checks start now (in flight until :meth:`checked`), and
+        those turned away (their wait ended, or a client ranking before them took their
+        place): client keys, as :func:`client_key` makes them."""
+        now = self._clock()
+        away, self._turned_away = self._turned_away, []
+        started: list[str] = []
+        while (
+            self._waiting
+            and len(self._in_flight) < self._max_pending
+            and self._global.refill(now) >= 1
+        ):
+            key = min(self._waiting, key=self._rank)
+            del self._waiting[key]
+            self._global.tokens -= 1
+            self._in_flight.add(key)
+            self._started.pop(key, None)
+            self._started[key] = now
+            while len(self._started) > self._max_clients:
+                self._started.popitem(last=False)
+            started.append(key)
+        for key, deadline in list(self._waiting.items()):
+            if deadline <= now:
+                del self._waiting[key]
+                away.append(key)
+        return started, away
+
+    def next_event(self) -> float | None:
+        """When (on the clock) :meth:`dispatch` may next start or turn away a check:
+        the next global token or the first deadline; None with no client waiting."""
+        if not self._waiting:
+            return None
+        now = self._clock()
+        event = min(self._waiting.values())
+        if len(self._in_flight) < self._max_pending and self._global.rate > 0:
+            short = 1 - self._global.refill(now)
+            event = min(event, now + max(0.0, short) / self._global.rate)
+        return event
+
     def checked(self, client: str) -> None:
-        """The check :meth:`may_check` let start for ``client`` ended (either way)."""
+        """The check that :meth:`dispatch` started for ``client`` ended (either way)."""
         key = client_key(client)
         self._in_flight.discard(key)
         self._forget_full(self._clock())
@@ -523,7 +596,11 @@ class BasicAuth:
     def _forget_full(self, now: float) -> None:
         # Only the oldest few are looked at: a full bucket is as good as none.
         for key in list(self._clients)[:4]:
-            if key not in self._in_flight and self._clients[key].refill(now) >= self._client_burst:
+            if (
+                key not in self._in_flight
+                and key not in self._waiting
+                and self._clients[key].refill(now) >= self._client_burst
+            ):
                 del self._clients[key]
 
     @property

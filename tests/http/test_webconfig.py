@@ -7,11 +7,14 @@ from __future__ import annotations
 import base64
 import contextlib
 import http.client
+import itertools
 import shutil
 import signal
 import ssl
 import subprocess
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,11 +39,13 @@ from snowflake_server._http.webconfig import (
     _TOP,
     BasicAuth,
     WebConfig,
+    client_key,
     load_web_config,
 )
 from snowflake_server._serving.listeners import listen_socket
 from tests.support.inprocess import InProcessServer
 from tests.support.processes import parse_metrics
+from tests.support.waiting import wait_until
 
 PASSWORD = "scrape-me"
 # Cost 4: the format is the same as cost 10's, and a test checks many in little time.
@@ -179,7 +184,8 @@ def test_mutual_tls_with_basic_auth(tmp_path: Path, pki: Pki) -> None:
 
 def test_password_checks_are_remembered_and_throttled(tmp_path: Path) -> None:
     """One bcrypt check per second allowed: a scraper that passed once is let in from
-    memory, while a guesser is told to wait (429) instead of burning the CPU."""
+    memory, while a guesser's concurrent tries are told to wait (429) instead of burning
+    the CPU: one address has one check running or waiting at a time."""
     right = ("prometheus", PASSWORD)
     settings_ = ServerSettings(web_config_file=web_config(tmp_path, USERS))
     with InProcessServer(settings_, tmp_path) as s:
@@ -188,21 +194,34 @@ def test_password_checks_are_remembered_and_throttled(tmp_path: Path) -> None:
         admin.checks_per_s = 1.0  # one check, then one a second
         admin.reload(load_web_config(settings_.web_config_file))
         assert get(s, "/metrics", auth=right)[0] == 200  # the one check
-        statuses = [get(s, "/metrics", auth=("prometheus", f"guess{i}"))[0] for i in range(5)]
-        assert statuses.count(429) >= 4, statuses  # at most one more second's check ran
+        with ThreadPoolExecutor(5) as pool:
+            tries = [("prometheus", f"guess{i}") for i in range(5)]
+            statuses = list(pool.map(lambda auth: get(s, "/metrics", auth=auth)[0], tries))
+        assert statuses.count(429) >= 4, statuses  # at most one waited its turn (401)
         for _ in range(5):
             assert get(s, "/metrics", auth=right)[0] == 200  # remembered: no check
         assert admin.denied["throttled"] >= 4
 
 
+def starts(auth: BasicAuth, client: str) -> bool:
+    """Whether a check for ``client`` starts at once: asked, and started by the dispatch
+    that follows, as the admin endpoint does (with ``wait_s=0`` one not started then is
+    turned away)."""
+    return auth.ask(client) and client_key(client) in auth.dispatch()[0]
+
+
 def test_the_token_bucket_refills_with_time() -> None:
     now = [0.0]
     auth = BasicAuth(
-        {"u": HASH.encode()}, checks_per_s=2.0, client_checks_per_s=100.0, clock=lambda: now[0]
+        {"u": HASH.encode()},
+        checks_per_s=2.0,
+        client_checks_per_s=100.0,
+        wait_s=0,
+        clock=lambda: now[0],
     )
 
     def tries(n: int) -> list[bool]:
-        allowed = [auth.may_check(f"10.0.0.{i}") for i in range(n)]
+        allowed = [starts(auth, f"10.0.0.{i}") for i in range(n)]
         for i in range(n):
             auth.checked(f"10.0.0.{i}")
         return allowed
@@ -218,38 +237,132 @@ def test_a_flooding_address_spends_its_own_budget_not_anothers() -> None:
     """Finding 5: wrong passwords from one address, as fast as it likes, leave another
     address (Prometheus) its checks; each address has one check in flight at most."""
     now = [0.0]
-    auth = BasicAuth({"u": HASH.encode()}, clock=lambda: now[0])
+    auth = BasicAuth({"u": HASH.encode()}, wait_s=0, clock=lambda: now[0])
     attacker, prometheus = "192.0.2.66", "198.51.100.9"
     allowed = []
     for _ in range(1000):
-        allowed.append(auth.may_check(attacker))
+        allowed.append(starts(auth, attacker))
         auth.checked(attacker)
     assert allowed.count(True) == 3  # its burst, then its rate: no time passed
-    assert auth.may_check(prometheus)  # not 429
-    assert not auth.may_check(prometheus)  # its first check is still running
+    assert starts(auth, prometheus)  # not 429
+    assert not auth.ask(prometheus)  # its first check is still running
     auth.checked(prometheus)
     for step in range(1, 61):  # a minute of flooding, ten tries every 100 ms
         now[0] = step / 10
         for _ in range(10):
-            if auth.may_check(attacker):
+            if starts(auth, attacker):
                 allowed.append(True)
                 auth.checked(attacker)
     assert allowed.count(True) <= 3 + 60 + 1  # one a second: the global cap is untouched
-    assert auth.may_check(prometheus)
+    assert starts(auth, prometheus)
     auth.checked(prometheus)
     # Another address of the attacker's IPv6 /64 is the same client.
-    assert auth.may_check("2001:db8::1")
-    assert not auth.may_check("2001:db8::2")  # in flight: the /64's one
-    assert auth.may_check("::ffff:198.51.100.9")  # Prometheus over IPv4-mapped IPv6
+    assert starts(auth, "2001:db8::1")
+    assert not auth.ask("2001:db8::2")  # in flight: the /64's one
+    assert starts(auth, "::ffff:198.51.100.9")  # Prometheus over IPv4-mapped IPv6
 
 
-def test_password_checks_waiting_are_bounded() -> None:
-    """At most max_pending checks wait for the bcrypt thread, each of its own client."""
+def test_password_checks_running_are_bounded() -> None:
+    """At most max_pending checks run at once; the next waits for one to end."""
     auth = BasicAuth({"u": HASH.encode()}, checks_per_s=100.0, max_pending=3, clock=lambda: 0.0)
-    assert [auth.may_check(f"10.0.0.{i}") for i in range(5)] == [True] * 3 + [False] * 2
-    assert auth.pending == 3
+    assert [auth.ask(f"10.0.0.{i}") for i in range(5)] == [True] * 5
+    assert auth.dispatch() == (["10.0.0.0", "10.0.0.1", "10.0.0.2"], [])
+    assert (auth.pending, auth.waiting) == (3, 2)
+    assert auth.next_event() == 1.0  # no token is due: only the waits' end
     auth.checked("10.0.0.0")
-    assert auth.may_check("10.0.0.4")
+    assert auth.dispatch() == (["10.0.0.3"], [])
+
+
+class _Flood:
+    """Addresses asking for checks on a clock of its own: each ends 50 ms after it
+    starts, and asks again at once while flooding (one a second: its own budget)."""
+
+    def __init__(self, auth: BasicAuth, now: list[float]) -> None:
+        self.auth, self.now = auth, now
+        self.running: dict[str, float] = {}  # client -> when its check ends
+        self.started: list[tuple[float, str]] = []
+        self.turned_away: list[tuple[float, str]] = []
+
+    def step(self, flooding: list[str], dt: float = 0.01) -> None:
+        self.now[0] = round(self.now[0] + dt, 6)
+        for client, ends in list(self.running.items()):
+            if ends <= self.now[0]:
+                del self.running[client]
+                self.auth.checked(client)
+        for client in flooding:
+            if client not in self.running:
+                self.auth.ask(client)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        started, away = self.auth.dispatch()
+        for client in started:
+            self.running[client] = self.now[0] + 0.05
+            self.started.append((self.now[0], client))
+        self.turned_away += [(self.now[0], client) for client in away]
+
+
+def test_a_quiet_address_gets_its_check_while_many_addresses_guess() -> None:
+    """Eight addresses guessing at once (eight checks a second wanted, six allowed) kept
+    the global budget empty, and a scraper whose password was not remembered yet got
+    429 for as long as the flood lasted (measured: 15 of 15). Now it waits its turn and
+    goes first: it has not checked lately, the guessers have."""
+    now = [0.0]
+    auth = BasicAuth({"u": HASH.encode()}, clock=lambda: now[0])
+    flood = _Flood(auth, now)
+    attackers = [f"192.0.2.{i}" for i in range(1, 9)]
+    while now[0] < 10:
+        flood.step(attackers)
+    assert flood.turned_away, "the flood wanted more than the global budget"
+    assert {c for _, c in flood.started} == set(attackers)
+    asked = now[0]
+    assert auth.ask("198.51.100.9")
+    flood.dispatch()
+    while not any(c == "198.51.100.9" for _, c in flood.started):
+        flood.step(attackers)
+        assert not any(c == "198.51.100.9" for _, c in flood.turned_away)
+    # The next global token: six a second.
+    assert now[0] - asked <= 1 / 6 + 0.011
+    rate = sum(1 for t, _ in flood.started if t > 5) / (now[0] - 5)
+    assert rate <= 6.5, "the global budget held"
+
+
+def test_waiting_is_bounded_and_a_newcomer_ranks_by_its_last_check() -> None:
+    now = [0.0]
+    auth = BasicAuth(
+        {"u": HASH.encode()},
+        checks_per_s=1.0,
+        max_pending=2,
+        max_waiting=2,
+        wait_s=2.0,
+        clock=lambda: now[0],
+    )
+    assert auth.ask("10.0.0.1") and auth.dispatch() == (["10.0.0.1"], [])
+    auth.checked("10.0.0.1")
+    now[0] = 3.0
+    assert auth.ask("10.0.0.1") and auth.dispatch() == (["10.0.0.1"], [])  # the burst: 1
+    auth.checked("10.0.0.1")
+    now[0] = 3.5
+    assert auth.ask("10.0.0.1") and auth.ask("10.0.0.2")  # both wait: no global token
+    assert auth.dispatch() == ([], [])
+    assert not auth.ask("10.0.0.1")  # one wait at a time
+    # The waiting room is full: a never-seen address takes the place of the one that
+    # checked last; one that checked as recently is refused.
+    assert auth.ask("10.0.0.3")
+    assert auth.dispatch() == ([], ["10.0.0.1"])
+    assert auth.next_event() == 4.0  # the next token
+    now[0] = 4.0
+    assert auth.dispatch() == (["10.0.0.2"], [])  # arrival order among the never-seen
+    now[0] = 4.5
+    assert auth.next_event() == 4.5 + 0.5
+    now[0] = 5.0
+    assert auth.dispatch() == (["10.0.0.3"], [])
+    assert auth.next_event() is None
+    # A wait ends at its deadline, turned away: the two checks still run.
+    assert auth.ask("10.0.0.4")
+    assert auth.next_event() == 7.0
+    now[0] = 7.0
+    assert auth.dispatch() == ([], ["10.0.0.4"])
 
 
 def test_a_flood_of_wrong_passwords_does_not_lock_prometheus_out(tmp_path: Path) -> None:
@@ -269,6 +382,37 @@ def test_a_flood_of_wrong_passwords_does_not_lock_prometheus_out(tmp_path: Path)
         assert attacker.count(429) >= 17, attacker
         assert get(s, "/metrics", auth=("prometheus", PASSWORD), source="127.0.0.1")[0] == 200
         assert get(s, "/metrics", auth=("prometheus", PASSWORD), source="127.0.0.1")[0] == 200
+
+
+@pytest.mark.slow
+def test_many_guessing_addresses_do_not_lock_a_new_scraper_out(tmp_path: Path) -> None:
+    """Over sockets, on the real clock: eight addresses (127.0.0.2-9) guess wrong
+    passwords flat out, more checks than the budget allows; Prometheus from 127.0.0.1,
+    its password not remembered yet, waits its turn and gets in (before: 429 as long as
+    the flood lasted, 15 scrapes of 15 measured)."""
+    settings_ = ServerSettings(web_config_file=web_config(tmp_path, USERS))
+    stop = threading.Event()
+    with InProcessServer(settings_, tmp_path) as s:
+        admin = s.node.admin
+        assert admin is not None
+
+        def guess(source: str) -> None:
+            for i in itertools.count():
+                if stop.is_set():
+                    return
+                get(s, "/metrics", auth=("prometheus", f"guess{i}"), source=source)
+
+        with ThreadPoolExecutor(8) as pool:
+            for n in range(2, 10):
+                pool.submit(guess, f"127.0.0.{n}")
+            try:
+                # The budget is spent and guessers are being turned away.
+                wait_until(lambda: admin.denied["throttled"] >= 20, "the guessers throttled", 20)
+                scrapes = [get(s, "/metrics", auth=("prometheus", PASSWORD), source="127.0.0.1")[0]]
+                scrapes.append(get(s, "/metrics", auth=("prometheus", PASSWORD))[0])
+            finally:
+                stop.set()
+        assert scrapes == [200, 200]  # the second one remembered
 
 
 def test_credentials_are_checked_and_remembered_by_digest() -> None:
