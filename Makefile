@@ -240,6 +240,14 @@ $(BENCH_BUILD)/anchor-go: bench/anchors/go/main.go bench/anchors/go/go.mod $(STU
 	cd bench/anchors/go && $(GO_OFFLINE) go build -modfile=$(abspath $(@D))/anchor-go.mod \
 	  -o $(abspath $@) .
 
+# --- issue 26, Kubernetes kit ----------------------------------------------------------
+# make kube-monitoring: the Prometheus Operator's ServiceMonitor and PrometheusRule in
+# deploy/kubernetes/components/monitoring/, from deploy/prometheus/ (the rules, the scrape
+# interval). Run it after editing the rules: tests/deploy/test_kubernetes.py fails until then.
+.PHONY: kube-monitoring
+kube-monitoring: $(VENV)/.installed
+	$(BIN)/python deploy/kubernetes/generate_monitoring.py
+
 # A bounded minute of mixed load with faults (garbage, floods, restarts) on 127.0.0.1,
 # then a minute of fuzzed requests; reports threads, file descriptors and memory.
 soak: install

@@ -31,7 +31,7 @@ from tests.support.processes import ServerDidNotStart, ServerProcess, parse_metr
 from tests.support.waiting import wait_until
 from tests.support.zookeeper import ZooKeeper
 
-STATEFULSET = Path(__file__).parents[2] / "deploy/kubernetes/standalone/statefulset.yaml"
+STATEFULSET = Path(__file__).parents[2] / "deploy/kubernetes/base/statefulset.yaml"
 
 
 def take(server: ServerProcess, rounds: int = 5) -> list[int]:

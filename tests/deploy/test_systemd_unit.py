@@ -17,12 +17,15 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from snowflake_server import ServerSettings
 from snowflake_server._config.options import OPTIONS
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "deploy" / "systemd" / "snowflake-server.service"
+# The Kubernetes kit's pods: the same drain and the same stop budget as this unit's.
+STATEFULSET = REPO / "deploy" / "kubernetes" / "base" / "statefulset.yaml"
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
 INSTALLED = "/opt/snowflake/bin/snowflake-server"
 CHECKOUT = Path(sys.executable).parent / "snowflake-server"
@@ -111,6 +114,19 @@ def test_start_stop_and_readiness_protocol() -> None:
     assert _one("ExecReload") == "/bin/kill -HUP $MAINPID"
     drain = float(_environment()["SNOWFLAKE_DRAIN_SECONDS"])
     assert float(_one("TimeoutStopSec")) >= drain + STOP_MARGIN_S
+
+
+def test_the_same_drain_and_stop_budget_as_the_kubernetes_pods() -> None:
+    """One stop budget everywhere the server is deployed (deploy/README.md says it once):
+    the drain the unit sets is the pods', and TimeoutStopSec is their grace period. The
+    server's own default (0: no drain) is for a developer's `make run`."""
+    drain = _environment()["SNOWFLAKE_DRAIN_SECONDS"]
+    assert float(drain) > ServerSettings().drain_seconds == 0
+    pod = yaml.safe_load(STATEFULSET.read_text())["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    pod_env = {e["name"]: e.get("value") for e in container["env"]}
+    assert pod_env["SNOWFLAKE_DRAIN_SECONDS"] == drain
+    assert int(_one("TimeoutStopSec")) == pod["terminationGracePeriodSeconds"]
 
 
 def test_settings_are_options_the_server_reads() -> None:
