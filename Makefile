@@ -39,7 +39,7 @@ THRIFT    ?= thrift
 IDL       := idl/snowflake.thrift
 CLIENTS   ?= clients
 
-.PHONY: install system-deps stubs node-deps run check test test-fast coverage bench clean soak \
+.PHONY: install system-deps stubs node-deps node-pack node-version node-version-check run check test test-fast coverage bench clean soak \
 	prometheus-tools \
 	bench-deps bench-build bench-loadgen bench-anchors
 
@@ -104,12 +104,36 @@ stubs:
 	printf 'module github.com/apache/thrift\n\ngo 1.19\n' > $(CLIENTS)/go/thrift-debian/go.mod
 	ln -s $(GO_THRIFT)/lib $(CLIENTS)/go/thrift-debian/lib
 
-# npm `thrift` (and node-int64) for the Node.js example and interop test
+# npm `thrift` (and node-int64, typescript) for the Node.js package, example and tests.
+# $(NPM_CACHE) gets the registry's copies (metadata and tarball) of every package the npm
+# package depends on, as pinned in package-lock.json: the test installs the packed tarball
+# into a fresh project from a copy of it with `npm install --offline`.
+NPM_CACHE ?= $(abspath $(TOOLS))/npm-cache
 node-deps: clients/node/node_modules/.package-lock.json
 
 clients/node/node_modules/.package-lock.json: clients/node/package.json clients/node/package-lock.json | system-deps
 	cd clients/node && npm ci --no-audit --no-fund
+	cd clients/node && npm cache add --cache $(NPM_CACHE) $$(node -e ' \
+	  const lock = require("./package-lock.json").packages; \
+	  for (const [path, p] of Object.entries(lock)) \
+	    if (path && !p.dev) console.log(path.split("node_modules/").pop() + "@" + p.version)')
 	touch $@
+
+# make node-pack: the npm package snowflake-thrift-client as a tarball in $(NODE_PACK_DIR),
+# with the stubs made from the IDL first (they are in the package, never in git). Its
+# version must be /VERSION's: a release runs `make node-version` after changing VERSION.
+NODE_PACK_DIR ?= dist/npm
+node-pack: node-version-check stubs
+	mkdir -p $(NODE_PACK_DIR)
+	cd $(CLIENTS)/node && npm pack --pack-destination $(abspath $(NODE_PACK_DIR))
+
+node-version-check:
+	@v="$$(cat VERSION)"; p="$$(node -p 'require("$(abspath $(CLIENTS))/node/package.json").version')"; \
+	  [ "$$v" = "$$p" ] || { echo "clients/node/package.json has version $$p, VERSION says $$v: \
+	run make node-version" >&2; exit 1; }
+
+node-version:
+	cd clients/node && npm version --no-git-tag-version --allow-same-version "$$(cat ../../VERSION)"
 
 # By its absolute path, so that the process is recognisable in a process listing.
 run: install
