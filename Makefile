@@ -33,6 +33,8 @@ TEST_TOOLS := faketime:faketime /usr/share/java/zookeeper.jar:libzookeeper-java 
 	ip:iproute2
 BENCH_TOOLS := $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS) wrk:wrk
 
+# The Go client's module path (clients/go/go.mod): the generated code's imports start with it.
+GO_MODULE := github.com/snowflake-id/snowflake/clients/go
 # make stubs: client code generated from the IDL by the Apache Thrift compiler into
 # $(CLIENTS)/<language>/gen-*, never committed (the IDL is the single source of truth).
 THRIFT    ?= thrift
@@ -98,7 +100,7 @@ stubs:
 	  $(CLIENTS)/node/gen-nodejs $(CLIENTS)/go/thrift-debian
 	$(THRIFT) --gen py -out $(CLIENTS)/python/apache/gen-py $(IDL)
 	$(THRIFT) --gen java -out $(CLIENTS)/java/gen-java $(IDL)
-	$(THRIFT) --gen go:skip_remote -out $(CLIENTS)/go/gen-go $(IDL)
+	$(THRIFT) --gen go:skip_remote,package_prefix=$(GO_MODULE)/gen-go/ -out $(CLIENTS)/go/gen-go $(IDL)
 	$(THRIFT) --gen js:node -out $(CLIENTS)/node/gen-nodejs $(IDL)
 	@# Debian's Go Thrift library as a module, for the replace line in clients/go/go.mod
 	printf 'module github.com/apache/thrift\n\ngo 1.19\n' > $(CLIENTS)/go/thrift-debian/go.mod
@@ -260,7 +262,7 @@ $(BENCH_BUILD)/anchor-go: bench/anchors/go/main.go bench/anchors/go/go.mod $(STU
 	@mkdir -p $(@D)
 	cd bench/anchors/go && $(GO_OFFLINE) go mod edit -print \
 	  -replace=github.com/apache/thrift=$(abspath $(CLIENTS))/go/thrift-debian \
-	  -replace=snowflakeclient=$(abspath $(CLIENTS))/go > $(abspath $(@D))/anchor-go.mod
+	  -replace=$(GO_MODULE)=$(abspath $(CLIENTS))/go > $(abspath $(@D))/anchor-go.mod
 	cd bench/anchors/go && $(GO_OFFLINE) go build -modfile=$(abspath $(@D))/anchor-go.mod \
 	  -o $(abspath $@) .
 

@@ -113,20 +113,13 @@ def test_make_node_pack_refuses_a_version_that_is_not_version_file(tmp_path: Pat
     package = json.loads((clients / "node" / "package.json").read_text(encoding="utf-8"))
     package["version"] = "0.0.1"
     (clients / "node" / "package.json").write_text(json.dumps(package), encoding="utf-8")
+    make = ["make", "-s", "-C", str(ROOT), "node-pack", f"CLIENTS={clients}"]
     done = subprocess.run(
-        [
-            "make",
-            "-s",
-            "-C",
-            str(ROOT),
-            "node-pack",
-            f"CLIENTS={clients}",
-            f"NODE_PACK_DIR={tmp_path / 'dist'}",
-        ],  # fmt: skip
+        [*make, f"NODE_PACK_DIR={tmp_path / 'dist'}"],
         capture_output=True,
         text=True,
         timeout=120,
-        check=False,  # fmt: skip
+        check=False,
     )
     assert done.returncode != 0
     assert "has version 0.0.1" in done.stderr and "make node-version" in done.stderr
@@ -153,7 +146,8 @@ try {
     sameDecode: decodeAlone === decode, types: [typeof id, typeof ids[0]],
   };
 } catch (e) {
-  out = { error: e.name, message: e.message, failures: (e.failures || []).map((f) => f.error.name) };
+  const failures = (e.failures || []).map((f) => f.error.name);
+  out = { error: e.name, message: e.message, failures };
 } finally {
   await pool.close();
 }
