@@ -33,13 +33,15 @@ TEST_TOOLS := faketime:faketime /usr/share/java/zookeeper.jar:libzookeeper-java 
 	ip:iproute2
 BENCH_TOOLS := $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS) wrk:wrk
 
+# The Go client's module path (clients/go/go.mod): the generated code's imports start with it.
+GO_MODULE := github.com/snowflake-id/snowflake/clients/go
 # make stubs: client code generated from the IDL by the Apache Thrift compiler into
 # $(CLIENTS)/<language>/gen-*, never committed (the IDL is the single source of truth).
 THRIFT    ?= thrift
 IDL       := idl/snowflake.thrift
 CLIENTS   ?= clients
 
-.PHONY: install system-deps stubs node-deps run check test test-fast coverage bench clean soak \
+.PHONY: install system-deps stubs node-deps node-pack node-version node-version-check run check test test-fast coverage bench clean soak \
 	prometheus-tools \
 	bench-deps bench-build bench-loadgen bench-anchors
 
@@ -98,18 +100,42 @@ stubs:
 	  $(CLIENTS)/node/gen-nodejs $(CLIENTS)/go/thrift-debian
 	$(THRIFT) --gen py -out $(CLIENTS)/python/apache/gen-py $(IDL)
 	$(THRIFT) --gen java -out $(CLIENTS)/java/gen-java $(IDL)
-	$(THRIFT) --gen go:skip_remote -out $(CLIENTS)/go/gen-go $(IDL)
+	$(THRIFT) --gen go:skip_remote,package_prefix=$(GO_MODULE)/gen-go/ -out $(CLIENTS)/go/gen-go $(IDL)
 	$(THRIFT) --gen js:node -out $(CLIENTS)/node/gen-nodejs $(IDL)
 	@# Debian's Go Thrift library as a module, for the replace line in clients/go/go.mod
 	printf 'module github.com/apache/thrift\n\ngo 1.19\n' > $(CLIENTS)/go/thrift-debian/go.mod
 	ln -s $(GO_THRIFT)/lib $(CLIENTS)/go/thrift-debian/lib
 
-# npm `thrift` (and node-int64) for the Node.js example and interop test
+# npm `thrift` (and node-int64, typescript) for the Node.js package, example and tests.
+# $(NPM_CACHE) gets the registry's copies (metadata and tarball) of every package the npm
+# package depends on, as pinned in package-lock.json: the test installs the packed tarball
+# into a fresh project from a copy of it with `npm install --offline`.
+NPM_CACHE ?= $(abspath $(TOOLS))/npm-cache
 node-deps: clients/node/node_modules/.package-lock.json
 
 clients/node/node_modules/.package-lock.json: clients/node/package.json clients/node/package-lock.json | system-deps
 	cd clients/node && npm ci --no-audit --no-fund
+	cd clients/node && npm cache add --cache $(NPM_CACHE) $$(node -e ' \
+	  const lock = require("./package-lock.json").packages; \
+	  for (const [path, p] of Object.entries(lock)) \
+	    if (path && !p.dev) console.log(path.split("node_modules/").pop() + "@" + p.version)')
 	touch $@
+
+# make node-pack: the npm package snowflake-thrift-client as a tarball in $(NODE_PACK_DIR),
+# with the stubs made from the IDL first (they are in the package, never in git). Its
+# version must be /VERSION's: a release runs `make node-version` after changing VERSION.
+NODE_PACK_DIR ?= dist/npm
+node-pack: node-version-check stubs
+	mkdir -p $(NODE_PACK_DIR)
+	cd $(CLIENTS)/node && npm pack --pack-destination $(abspath $(NODE_PACK_DIR))
+
+node-version-check:
+	@v="$$(cat VERSION)"; p="$$(node -p 'require("$(abspath $(CLIENTS))/node/package.json").version')"; \
+	  [ "$$v" = "$$p" ] || { echo "clients/node/package.json has version $$p, VERSION says $$v: \
+	run make node-version" >&2; exit 1; }
+
+node-version:
+	cd clients/node && npm version --no-git-tag-version --allow-same-version "$$(cat ../../VERSION)"
 
 # By its absolute path, so that the process is recognisable in a process listing.
 run: install
@@ -236,7 +262,7 @@ $(BENCH_BUILD)/anchor-go: bench/anchors/go/main.go bench/anchors/go/go.mod $(STU
 	@mkdir -p $(@D)
 	cd bench/anchors/go && $(GO_OFFLINE) go mod edit -print \
 	  -replace=github.com/apache/thrift=$(abspath $(CLIENTS))/go/thrift-debian \
-	  -replace=snowflakeclient=$(abspath $(CLIENTS))/go > $(abspath $(@D))/anchor-go.mod
+	  -replace=$(GO_MODULE)=$(abspath $(CLIENTS))/go > $(abspath $(@D))/anchor-go.mod
 	cd bench/anchors/go && $(GO_OFFLINE) go build -modfile=$(abspath $(@D))/anchor-go.mod \
 	  -o $(abspath $@) .
 

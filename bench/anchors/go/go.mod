@@ -7,12 +7,12 @@ go 1.19
 
 require (
 	github.com/apache/thrift v0.17.0
-	snowflakeclient v0.0.0
+	github.com/snowflake-id/snowflake/clients/go v0.0.0
 )
 
 // For a hand build after `make stubs`; the Makefile builds with a copy of this file
 // whose paths point at $(CLIENTS), wherever it is.
 replace (
 	github.com/apache/thrift => ../../../clients/go/thrift-debian
-	snowflakeclient => ../../../clients/go
+	github.com/snowflake-id/snowflake/clients/go => ../../../clients/go
 )

@@ -23,7 +23,7 @@ import (
 
 	"github.com/apache/thrift/lib/go/thrift"
 
-	"snowflakeclient/gen-go/snowflake"
+	"github.com/snowflake-id/snowflake/clients/go/gen-go/snowflake"
 )
 
 // Twitter's layout: 41 bits of ms since its epoch, 5 datacenter, 5 worker, 12 sequence.

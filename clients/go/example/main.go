@@ -16,7 +16,7 @@ import (
 
 	"github.com/apache/thrift/lib/go/thrift"
 
-	"snowflakeclient/gen-go/snowflake"
+	"github.com/snowflake-id/snowflake/clients/go/gen-go/snowflake"
 )
 
 func main() {
