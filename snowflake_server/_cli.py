@@ -38,7 +38,7 @@ from thriftpy2.thrift import TApplicationException
 
 from ._config.options import OPTIONS, in_flags
 from ._config.settings import ServerSettings, ZooKeeperAccess
-from ._ids.layouts import layout_from
+from ._ids.layouts import layout_from, parse_id
 from ._version import __version__
 
 __all__ = ["main"]
@@ -400,9 +400,9 @@ class _NotAnId(Exception):
 def _describe(text: str, layout: Layout) -> dict[str, object]:
     """The parts of the id ``text``, ready for JSON; else ``_NotAnId``."""
     try:
-        value = int(text)
-    except ValueError:
-        raise _NotAnId("is not an id: not a decimal integer") from None
+        value = parse_id(text)
+    except ConfigurationError as e:
+        raise _NotAnId(f"is not an id: {e}") from None
     try:
         return layout.decompose(value).to_json()
     except ConfigurationError as e:
