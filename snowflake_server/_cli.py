@@ -14,6 +14,7 @@ if any could not be.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -29,6 +30,7 @@ from snowflake_thrift_client import (
     NoServerAvailableError,
     RequestError,
     SnowflakePool,
+    WrongProtocolError,
     ZooKeeperDiscovery,
     parse_server,
 )
@@ -36,7 +38,7 @@ from thriftpy2.thrift import TApplicationException
 
 from ._config.options import OPTIONS, in_flags
 from ._config.settings import ServerSettings, ZooKeeperAccess
-from ._ids.layouts import layout_from
+from ._ids.layouts import layout_from, parse_id
 from ._version import __version__
 
 __all__ = ["main"]
@@ -169,7 +171,21 @@ def _servers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[
         parser.error(str(e))
 
 
+_TLS_HINT = (
+    "snowflake get speaks plain Thrift: is this a TLS port (a server's --tls-cert, or the "
+    "admin endpoint's --web-config-file)?"
+)
+
+
 def _explain(address: str, failure: Exception, transport: str) -> str:
+    if isinstance(failure, WrongProtocolError):
+        if failure.protocol == "HTTP":
+            hint = "is this the HTTP API or the admin (metrics) port?"
+        elif failure.protocol == "TLS":
+            return f"{failure.address}: {failure.reason}: {_TLS_HINT}"
+        else:
+            hint = "is this the snowflake server's port?"
+        return f"{failure.address}: {failure.reason}: {hint} Thrift is on {DEFAULT_PORT} by default"
     if isinstance(failure, CallFailedError):
         if not failure.connected:
             return f"cannot reach {failure.address}: {failure.reason}"
@@ -177,10 +193,35 @@ def _explain(address: str, failure: Exception, transport: str) -> str:
             return f"no reply in time from {failure.address}"
         if isinstance(failure.__cause__, TApplicationException):
             return f"error from {failure.address}: {failure.reason}"
+        if _speaks_tls(failure.address):
+            return f"{failure.address}: a TLS server closed the connection: {_TLS_HINT}"
         hint = f"does it speak --transport {transport}?"
         return f"no valid reply from {failure.address} ({hint}): {failure.reason}"
     name = "InvalidSystemClock" if isinstance(failure, ClockMovedBackwardsError) else None
     return f"{address} refused: {name or type(failure).__name__}: {failure}"
+
+
+@functools.cache
+def _speaks_tls(address: str) -> bool:
+    """Whether a TLS handshake with ``address`` gets a TLS server's answer, within a
+    second: a TLS server sent plain Thrift bytes mostly closes without a word."""
+    import socket
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # only asking what answers, trusting nothing
+    try:
+        host, port = parse_server(address)
+        with (
+            socket.create_connection((host, port), timeout=1.0) as raw,
+            context.wrap_socket(raw, server_hostname=host),
+        ):
+            return True
+    except ssl.SSLError as e:  # an alert (a client certificate required, say) is TLS too
+        return "ALERT" in (e.reason or "")
+    except (OSError, ValueError):
+        return False
 
 
 def _get(args: argparse.Namespace, servers: list[tuple[str, int]]) -> int:
@@ -359,9 +400,9 @@ class _NotAnId(Exception):
 def _describe(text: str, layout: Layout) -> dict[str, object]:
     """The parts of the id ``text``, ready for JSON; else ``_NotAnId``."""
     try:
-        value = int(text)
-    except ValueError:
-        raise _NotAnId("is not an id: not a decimal integer") from None
+        value = parse_id(text)
+    except ConfigurationError as e:
+        raise _NotAnId(f"is not an id: {e}") from None
     try:
         return layout.decompose(value).to_json()
     except ConfigurationError as e:

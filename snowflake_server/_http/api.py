@@ -39,7 +39,7 @@ from .._errors import (
     UnavailableError,
 )
 from .._ids.generator import WouldBlock
-from .._ids.layouts import layout_fields
+from .._ids.layouts import layout_fields, parse_id
 from .._observability.metrics import NO_METHOD, ConnectionStats
 from .._service import SnowflakeHandler
 from .openapi import openapi_document
@@ -173,10 +173,12 @@ class HttpApi:
 
     def _decode(self, text: str) -> Route:
         def decode(_query: dict[str, list[str]]) -> dict[str, object]:
-            if not (text.isascii() and text.isdigit()) or len(text) > 20:
-                raise _InvalidId(f"an id is a decimal integer, got {text[:40]!r}")
             try:
-                return self._handler.settings.layout.decompose(int(text)).to_json()
+                value = parse_id(text)
+            except ConfigurationError as e:
+                raise _InvalidId(f"{text[:40]!r} is not an id: {e}") from None
+            try:
+                return self._handler.settings.layout.decompose(value).to_json()
             except ConfigurationError as e:
                 raise _InvalidId(f"{text} is not an id of this layout: {e}") from None
             except OverflowError:  # a layout reaching past year 9999

@@ -43,6 +43,7 @@ from .._errors import ConfigurationError
 
 __all__ = [
     "LAYOUT_FIELDS",
+    "MAX_ID",
     "describe_layout",
     "describe_layout_json",
     "layout_fields",
@@ -51,6 +52,7 @@ __all__ = [
     "layout_from_record",
     "layout_to_json",
     "layout_to_record",
+    "parse_id",
     "valid_layout_json",
 ]
 
@@ -139,3 +141,31 @@ def layout_from_record(data: bytes) -> Layout:
         return layout_from_json(json.loads(data.decode()))
     except UnicodeDecodeError as e:
         raise ValueError(str(e)) from None
+
+
+MAX_ID = 2**63 - 1
+"""The largest id: ids are signed 64-bit integers (Thrift's i64), never negative."""
+
+
+def parse_id(text: str) -> int:
+    """The id ``text`` writes in plain ASCII decimal, 0 .. 2^63-1 (leading zeros allowed);
+    else ``ConfigurationError`` whose message is the reason in a few words
+    (``negative (ids are 0 .. 2^63-1 = ...)``). One parser for the command line and the
+    HTTP API: ``int()`` would also take ``+5``, ``1_0``, `` 5`` and other scripts'
+    digits (Arabic-Indic five, say)."""
+    if not text:
+        return _refuse("empty (an id is a decimal integer)")
+    signed = text[0] in "+-"
+    digits = text[1:] if signed else text
+    plain = digits.isascii() and digits.isdigit()
+    if plain and text[0] == "-" and digits.strip("0"):
+        return _refuse(f"negative (ids are 0 .. 2^63-1 = {MAX_ID})")
+    if signed or not plain:
+        return _refuse("not a plain decimal integer (ASCII digits 0-9 only: no sign, space or _)")
+    if len(text.lstrip("0")) > len(str(MAX_ID)) or int(text) > MAX_ID:
+        return _refuse(f"too large (ids are 0 .. 2^63-1 = {MAX_ID})")
+    return int(text)
+
+
+def _refuse(why: str) -> int:
+    raise ConfigurationError(why)

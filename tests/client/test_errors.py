@@ -41,6 +41,7 @@ def test_the_tree() -> None:
         CallFailedError: (SnowflakeError,),
         ConnectionFailedError: (CallFailedError, ConnectionError),
         CallTimedOutError: (CallFailedError, TimeoutError),
+        snowflake_thrift_client.WrongProtocolError: (ConnectionFailedError,),
         NoServerAvailableError: (SnowflakeError, ConnectionError),
         NoServerAnsweredError: (NoServerAvailableError, TimeoutError),
     }

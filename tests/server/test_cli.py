@@ -63,8 +63,8 @@ def test_decode_goes_on_past_a_bad_id_and_exits_2(capsys: pytest.CaptureFixture[
     assert main(["decode", "--json", "abc", "910499571847892992", "-1"]) == 2
     out, err = capsys.readouterr()
     assert [d["id"] for d in json.loads(out)] == ["910499571847892992"]
-    assert "'abc' is not an id: not a decimal integer" in err
-    assert "'-1' is not an id of this layout: id must be in 0.." in err
+    assert "'abc' is not an id: not a plain decimal integer" in err
+    assert "'-1' is not an id: negative (ids are 0 .. 2^63-1" in err
 
 
 def stdin(monkeypatch: pytest.MonkeyPatch, data: bytes) -> None:
@@ -103,11 +103,11 @@ def test_decode_names_the_line_of_each_bad_id_and_goes_on(
     errors = err.splitlines()
     assert len(errors) == 3
     assert errors[0] == (
-        "snowflake decode: error: line 2 of standard input: 'x1' is not an id: not a decimal "
-        "integer"
+        "snowflake decode: error: line 2 of standard input: 'x1' is not an id: not a plain "
+        "decimal integer (ASCII digits 0-9 only: no sign, space or _)"
     )
     assert errors[1].startswith(
-        f"snowflake decode: error: line 3 of standard input: '{2**63}' is not an id of this layout"
+        f"snowflake decode: error: line 3 of standard input: '{2**63}' is not an id: too large"
     )
     # Not UTF-8: refused with its line, and the lines after it are still read.
     assert errors[2].startswith("snowflake decode: error: line 4 of standard input: '\ufffd2'")

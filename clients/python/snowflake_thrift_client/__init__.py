@@ -27,6 +27,7 @@ private and may change without notice.
 
 from __future__ import annotations
 
+import logging
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,10 @@ from ._tls import client_context
 
 if TYPE_CHECKING:
     from ._async_pool import AsyncDiscovery, AsyncSnowflakePool
+
+# A library's logs are its application's to show: with logging unconfigured, Python's
+# last-resort handler would print every failed attempt of a pool to standard error.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = resources.files(__name__).joinpath("VERSION").read_text(encoding="utf-8").strip()
 """The version of the client and of the server, read from the one ``VERSION`` file."""

@@ -40,7 +40,7 @@ from thriftpy2.transport import TTransportException
 from ._address import Server
 from ._client import _declared_classes, call_failed
 from ._idl import request_error, snowflake_thrift
-from ._transports import Transport, binary_protocol
+from ._transports import Transport, binary_protocol, foreign_reply
 
 __all__ = ["AsyncConnection", "NeedMore", "decode_reply"]
 
@@ -216,6 +216,8 @@ class AsyncConnection:
                     raise TimeoutError(f"no reply within {self.timeout:g} s")
                 raise TTransportException(TTransportException.END_OF_FILE, "read 0 bytes")
             received += chunk
+            if (foreign := foreign_reply(received[:128])) is not None:
+                raise foreign
             try:
                 return self._reply(method, received)
             except NeedMore:  # decoded again from the start once more has come

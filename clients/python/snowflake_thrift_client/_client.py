@@ -12,10 +12,15 @@ from thriftpy2.thrift import TApplicationException, TClient
 from thriftpy2.transport import TTransportException
 
 from ._address import DEFAULT_PORT, Server, parse_server
-from ._errors import CallFailedError, ConfigurationError, ConnectionFailedError
+from ._errors import (
+    CallFailedError,
+    ConfigurationError,
+    ConnectionFailedError,
+    WrongProtocolError,
+)
 from ._idl import declared_exceptions, layout_from_thrift, request_error, snowflake_thrift
 from ._layout import Layout
-from ._transports import TRANSPORTS, Transport, binary_protocol, server_socket
+from ._transports import TRANSPORTS, ForeignReply, ReplySocket, Transport, binary_protocol
 
 __all__ = ["DEFAULT_AGENT", "Closing", "SnowflakeClient", "positive_seconds"]
 
@@ -26,6 +31,8 @@ _Self = TypeVar("_Self", bound="Closing")
 
 def call_failed(address: str, cause: BaseException, *, connected: bool) -> CallFailedError:
     """The :class:`CallFailedError` for ``cause`` (chain it with ``from cause``)."""
+    if isinstance(cause, ForeignReply):
+        return WrongProtocolError(address, f"{cause}, not a Thrift server", protocol=cause.protocol)
     timed_out = isinstance(cause, TimeoutError) or (
         isinstance(cause, TTransportException) and cause.type == TTransportException.TIMED_OUT
     )
@@ -146,7 +153,7 @@ class SnowflakeClient(Closing):
             sock.settimeout(self.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            protocol = binary_protocol(server_socket(sock), self.transport)
+            protocol = binary_protocol(ReplySocket(sock), self.transport)
             self._client = TClient(self._service, protocol)
         except BaseException:
             sock.close()

@@ -11,6 +11,7 @@
     │   └── UnavailableError            <- UnavailableError: not serving now, try another node
     ├── CallFailedError                 a call to one server failed any other way
     │   ├── ConnectionFailedError       no connection could be opened    (also a ConnectionError)
+    │   │   └── WrongProtocolError      the port answered in another protocol (HTTP, TLS...)
     │   └── CallTimedOutError           no answer in time                (also a TimeoutError)
     └── NoServerAvailableError          a pool ran out of servers, tries (also a ConnectionError)
         └── NoServerAnsweredError       every try timed out              (also a TimeoutError)
@@ -38,6 +39,7 @@ __all__ = [
     "RequestError",
     "SnowflakeError",
     "UnavailableError",
+    "WrongProtocolError",
 ]
 
 
@@ -123,6 +125,30 @@ class ConnectionFailedError(CallFailedError, ConnectionError):
     """No connection to the server could be opened (refused, unreachable, a TLS
     handshake that failed: ``connected`` is False), or it broke during the call
     (``connected`` is True)."""
+
+
+class WrongProtocolError(ConnectionFailedError):
+    """What answered is not a Thrift server: its first bytes are an HTTP reply, a TLS
+    record, an SSH banner or a line of text (``protocol`` says which: ``"HTTP"``,
+    ``"TLS"``, ``"SSH"``, ``"text"``). Raised as soon as those bytes arrive, rather than
+    after the timeout: the address names another service's port (the HTTP API's or the
+    admin endpoint's, say), which no retry will change."""
+
+    def __new__(
+        cls, address: str, reason: str, *, protocol: str, connected: bool = True,
+        timed_out: bool = False,
+    ) -> WrongProtocolError:  # fmt: skip
+        error = super().__new__(cls, address, reason, connected=True)
+        assert isinstance(error, WrongProtocolError)
+        return error
+
+    def __init__(
+        self, address: str, reason: str, *, protocol: str, connected: bool = True,
+        timed_out: bool = False,
+    ) -> None:  # fmt: skip
+        #: ``"HTTP"``, ``"TLS"``, ``"SSH"`` or ``"text"``.
+        self.protocol = protocol
+        super().__init__(address, reason, connected=True)
 
 
 class CallTimedOutError(CallFailedError, TimeoutError):
