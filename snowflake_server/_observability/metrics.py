@@ -33,10 +33,12 @@ from .logs import LOG_LIMIT
 __all__ = [
     "CALL_FAILURES",
     "EXCEPTION_KINDS",
+    "HTTP_METHODS",
     "LATENCY_BUCKETS_S",
     "NO_METHOD",
     "OK",
     "OVERFLOW_AGENT",
+    "PROTOCOLS",
     "ConnectionStats",
     "ServiceMetrics",
     "counter_by",
@@ -74,6 +76,11 @@ OK = "ok"
 NO_METHOD = "none"
 """The ``method`` label of failures that belong to no served method's call."""
 
+HTTP_METHODS: tuple[str, ...] = ("get_id", "get_ids", "get_layout", "decode")
+"""The ``method`` labels of the HTTP API's calls (tests check them against its routes)."""
+
+PROTOCOLS: tuple[str, ...] = ("thrift", "http")
+
 OVERFLOW_AGENT = "__overflow__"
 """The ``agent`` label of ids for agents past the bound; no valid agent starts with '_'."""
 
@@ -94,11 +101,15 @@ class _Latency:
 
 
 class ConnectionStats:
-    """What one connection did. Written by its own thread only; read by scrapes."""
+    """What one connection did. Written by its own thread only; read by scrapes.
 
-    __slots__ = ("agent_ids", "exceptions", "latency")
+    ``protocol`` ("thrift" or "http") is the connection's: the per-call metrics are
+    labelled with it at scrape time, so no call pays for the label."""
 
-    def __init__(self) -> None:
+    __slots__ = ("agent_ids", "exceptions", "latency", "protocol")
+
+    def __init__(self, protocol: str = "thrift") -> None:
+        self.protocol = protocol
         self.agent_ids: dict[str, int] = {}
         self.exceptions: dict[tuple[str, str], int] = {}  # (kind, method) -> calls
         self.latency: dict[str, _Latency] = {}
@@ -136,7 +147,9 @@ class ServiceMetrics(Collector):
     """The metrics of one server process, as a prometheus-client collector.
 
     ``methods`` are the Thrift methods whose latency is reported (each gets a
-    histogram from the start, so dashboards see zeros rather than gaps).
+    histogram from the start, so dashboards see zeros rather than gaps; the HTTP
+    API's, ``HTTP_METHODS``, too once an HTTP port is set up with :meth:`set_limit`).
+    The per-call metrics carry the ``protocol`` of the connection that served them.
     At most ``max_agents`` distinct user agents get a label of their own; ids
     for any further agent are counted under ``OVERFLOW_AGENT``. ``worker_id_source``
     (number, auto, ordinal, ip, mac) labels ``snowflake_info``.
@@ -157,7 +170,8 @@ class ServiceMetrics(Collector):
         self._agents: set[str] = set()
         self._lock = threading.Lock()
         self._live: set[ConnectionStats] = set()
-        self._closed = ConnectionStats()
+        # The counts of closed connections, by protocol.
+        self._closed: dict[str, ConnectionStats] = {}
         self.connections_accepted = 0
         # By protocol ("thrift", "http"): written by the serving loop only.
         self._open: dict[str, int] = {}
@@ -195,7 +209,7 @@ class ServiceMetrics(Collector):
         self._rejected.setdefault(protocol, 0)
 
     def open_connection(self, protocol: str = "thrift") -> ConnectionStats:
-        stats = ConnectionStats()
+        stats = ConnectionStats(protocol)
         with self._lock:
             self._live.add(stats)
             self.connections_accepted += 1
@@ -205,7 +219,10 @@ class ServiceMetrics(Collector):
     def close_connection(self, stats: ConnectionStats, protocol: str = "thrift") -> None:
         with self._lock:
             self._live.discard(stats)
-            self._closed.add(stats)
+            closed = self._closed.get(stats.protocol)
+            if closed is None:
+                closed = self._closed[stats.protocol] = ConnectionStats(stats.protocol)
+            closed.add(stats)
             self._open[protocol] -= 1
 
     def count_rejected(self, protocol: str) -> None:
@@ -218,16 +235,36 @@ class ServiceMetrics(Collector):
     def totals(self) -> ConnectionStats:
         """Everything counted so far by every connection, open or closed."""
         total = ConnectionStats()
-        with self._lock:
-            total.add(self._closed)
-            for stats in self._live:
-                total.add(stats)
+        for stats in self.totals_by_protocol().values():
+            total.add(stats)
         return total
+
+    def totals_by_protocol(self) -> dict[str, ConnectionStats]:
+        """Everything counted so far by every connection, open or closed, by protocol."""
+        totals: dict[str, ConnectionStats] = {}
+        with self._lock:
+            for stats in (*self._closed.values(), *self._live):
+                total = totals.get(stats.protocol)
+                if total is None:
+                    total = totals[stats.protocol] = ConnectionStats(stats.protocol)
+                total.add(stats)
+        return totals
+
+    def _methods_of(self, protocol: str) -> tuple[str, ...]:
+        """The methods ``protocol`` serves, each reported from the start."""
+        return self._methods if protocol == "thrift" else HTTP_METHODS
 
     def collect(self) -> Iterable[Metric]:
         gen = self._generator
         counts = gen.counters()
-        total = self.totals()
+        by_protocol = self.totals_by_protocol()
+        # The ports served get every series from the start: thrift always, http with
+        # --http-port (its limit set); a protocol that counted anything is there too.
+        for protocol in ("thrift", *self._limits):
+            by_protocol.setdefault(protocol, ConnectionStats(protocol))
+        total = ConnectionStats()
+        for stats in by_protocol.values():
+            total.add(stats)
         yield _counter("ids_generated", "Ids handed out.", counts.ids_generated)
         yield counter_by(
             "snowflake_ids_by_agent",
@@ -236,7 +273,7 @@ class ServiceMetrics(Collector):
             "agent",
             dict(sorted(total.agent_ids.items())),
         )
-        yield from self._calls(total)
+        yield from self._calls(by_protocol)
         yield counter_by(
             "snowflake_clock_backwards",
             "Times the clock was found behind the newest id: waited out, or refused "
@@ -308,49 +345,50 @@ class ServiceMetrics(Collector):
         build.add_metric([__version__, platform.python_version()], 1)
         yield build
 
-    def _calls(self, total: ConnectionStats) -> Iterable[Metric]:
+    def _calls(self, by_protocol: Mapping[str, ConnectionStats]) -> Iterable[Metric]:
         # Every series that can move is there from the start (zeros, not gaps): each
-        # method with each outcome, and the connection's own failures under NO_METHOD.
+        # method of each protocol served with each outcome, and the connection's own
+        # failures under NO_METHOD.
         requests = CounterMetricFamily(
             "snowflake_requests",
-            "Calls served, by method and outcome: ok, or the kind of failure.",
-            labels=["method", "outcome"],
+            "Calls served, by protocol (thrift, http), method and outcome: ok, or the kind "
+            "of failure.",
+            labels=["method", "outcome", "protocol"],
         )
-        # Derived, not counted per call: every call answered is in its method's latency
-        # histogram, and every failed one in the failures by kind and method.
-        methods = {*self._methods, *total.latency}
-        for method in sorted(methods):
-            hist = total.latency.get(method)
-            failed = {k: total.exceptions.get((k, method), 0) for k in CALL_FAILURES}
-            answered = sum(hist.counts) if hist is not None else 0
-            requests.add_metric([method, OK], answered - sum(failed.values()))
-            for kind, n in failed.items():
-                requests.add_metric([method, kind], n)
-        yield requests
         exceptions = CounterMetricFamily(
             "snowflake_exceptions",
-            f"Failures, by kind and by method ({NO_METHOD}: the connection's, or a "
+            f"Failures, by protocol, kind and method ({NO_METHOD}: the connection's, or a "
             "method not served).",
-            labels=["kind", "method"],
+            labels=["kind", "method", "protocol"],
         )
-        failures = dict.fromkeys(((k, m) for k in CALL_FAILURES for m in self._methods), 0)
-        failures.update(((k, NO_METHOD), 0) for k in EXCEPTION_KINDS if k not in CALL_FAILURES)
-        failures.update(total.exceptions)
-        for (kind, method), n in sorted(failures.items()):
-            exceptions.add_metric([kind, method], n)
-        yield exceptions
-        yield self._latency(total)
-
-    def _latency(self, total: ConnectionStats) -> HistogramMetricFamily:
-        family = HistogramMetricFamily(
+        latency = HistogramMetricFamily(
             "snowflake_request_duration_seconds",
-            "Time to serve a call, from its request read to its reply ready to send, by method.",
-            labels=["method"],
+            "Time to serve a call, from its request read to its reply ready to send, by "
+            "protocol and method.",
+            labels=["method", "protocol"],
         )
-        for method in self._methods:
-            hist = total.latency.get(method, _Latency())
-            family.add_metric([method], _cumulative(hist.counts), hist.total)
-        return family
+        for protocol, total in sorted(by_protocol.items()):
+            served = self._methods_of(protocol)
+            # Derived, not counted per call: every call answered is in its method's
+            # latency histogram, and every failed one in the failures by kind and method.
+            for method in sorted({*served, *total.latency}):
+                hist = total.latency.get(method)
+                failed = {k: total.exceptions.get((k, method), 0) for k in CALL_FAILURES}
+                answered = sum(hist.counts) if hist is not None else 0
+                requests.add_metric([method, OK, protocol], answered - sum(failed.values()))
+                for kind, n in failed.items():
+                    requests.add_metric([method, kind, protocol], n)
+            failures = dict.fromkeys(((k, m) for k in CALL_FAILURES for m in served), 0)
+            failures.update(((k, NO_METHOD), 0) for k in EXCEPTION_KINDS if k not in CALL_FAILURES)
+            failures.update(total.exceptions)
+            for (kind, method), n in sorted(failures.items()):
+                exceptions.add_metric([kind, method, protocol], n)
+            for method in sorted({*served, *total.latency}):
+                hist = total.latency.get(method, _Latency())
+                latency.add_metric([method, protocol], _cumulative(hist.counts), hist.total)
+        yield requests
+        yield exceptions
+        yield latency
 
 
 def _cumulative(counts: list[int]) -> list[tuple[str, float]]:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from snowflake_server import ServerSettings, decompose
 from snowflake_server._http.openapi import openapi_document
+from snowflake_server._observability.metrics import HTTP_METHODS
 from tests.support.fakes import FakeClock
 from tests.support.inprocess import InProcessServer
 from tests.support.processes import failures, parse_metrics
@@ -118,7 +119,12 @@ def test_a_clock_behind_is_a_503_with_retry_after(http: Http, clock: FakeClock) 
     status, headers, body = http.get("/v1/id?agent=web")
     assert (status, body["error"], headers["Retry-After"]) == (503, "invalid_system_clock", "1")
     counts = parse_metrics(http.server.metrics())
-    assert counts['snowflake_requests_total{method="get_id",outcome="invalid_system_clock"}'] == 1
+    assert (
+        counts[
+            'snowflake_requests_total{method="get_id",outcome="invalid_system_clock",protocol="http"}'
+        ]
+        == 1
+    )
     assert failures(counts, "invalid_system_clock") == 1
 
 
@@ -127,7 +133,25 @@ def test_http_calls_share_the_thrift_sides_counters(http: Http) -> None:
     http.server.raw_client().get_id("web")
     counts = parse_metrics(http.server.metrics())
     assert counts['snowflake_ids_by_agent_total{agent="web"}'] == 8
-    assert counts['snowflake_requests_total{method="get_ids",outcome="ok"}'] == 1
+    assert counts['snowflake_requests_total{method="get_ids",outcome="ok",protocol="http"}'] == 1
+
+
+def test_calls_are_counted_under_the_protocol_that_served_them(http: Http) -> None:
+    http.get("/v1/ids?agent=web&count=7")
+    http.get("/v1/decode/1")
+    http.server.raw_client().get_id("web")
+    counts = parse_metrics(http.server.metrics())
+    ok = 'snowflake_requests_total{{method="{}",outcome="ok",protocol="{}"}}'
+    assert [counts[ok.format(m, p)] for m, p in [("get_ids", "http"), ("get_ids", "thrift"),
+                                                ("get_id", "thrift"), ("get_id", "http"),
+                                                ("decode", "http")]] == [1, 0, 1, 0, 1]  # fmt: skip
+    latency = 'snowflake_request_duration_seconds_count{{method="{}",protocol="{}"}}'
+    assert counts[latency.format("decode", "http")] == 1
+    assert counts[latency.format("get_id", "thrift")] == 1
+    # Every HTTP method has its series from the start, and only HTTP's are under http.
+    served = {k.split('"')[1] for k in counts if k.startswith("snowflake_requests_total{")
+              and k.endswith('protocol="http"}')}  # fmt: skip
+    assert served == set(HTTP_METHODS)
 
 
 def test_keep_alive_serves_pipelined_requests_in_order(http: Http) -> None:
@@ -229,7 +253,7 @@ def test_a_request_repeated_on_one_connection_is_served_alike(http: Http, clock:
     )
     counts = parse_metrics(http.server.metrics())
     assert counts['snowflake_ids_by_agent_total{agent="again"}'] == 3
-    assert counts['snowflake_requests_total{method="get_id",outcome="ok"}'] == 3
+    assert counts['snowflake_requests_total{method="get_id",outcome="ok",protocol="http"}'] == 3
     assert counts['snowflake_clock_backwards_total{action="refused"}'] == 1
     assert failures(counts, "invalid_system_clock") == 1
 

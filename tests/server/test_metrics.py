@@ -63,11 +63,33 @@ def test_counts_from_open_and_closed_connections_add_up() -> None:
     counts = scrape(metrics)
     assert counts['snowflake_ids_by_agent_total{agent="a"}'] == 7
     assert failures(counts, "invalid_count") == 1
-    assert counts['snowflake_request_duration_seconds_bucket{le="2.5e-05",method="get_id"}'] == 0
-    assert counts['snowflake_request_duration_seconds_bucket{le="5e-05",method="get_id"}'] == 1
-    assert counts['snowflake_request_duration_seconds_bucket{le="1.0",method="get_id"}'] == 1
-    assert counts['snowflake_request_duration_seconds_bucket{le="+Inf",method="get_id"}'] == 2
-    assert counts['snowflake_request_duration_seconds_count{method="get_id"}'] == 2
+    assert (
+        counts[
+            'snowflake_request_duration_seconds_bucket{le="2.5e-05",method="get_id",protocol="thrift"}'
+        ]
+        == 0
+    )
+    assert (
+        counts[
+            'snowflake_request_duration_seconds_bucket{le="5e-05",method="get_id",protocol="thrift"}'
+        ]
+        == 1
+    )
+    assert (
+        counts[
+            'snowflake_request_duration_seconds_bucket{le="1.0",method="get_id",protocol="thrift"}'
+        ]
+        == 1
+    )
+    assert (
+        counts[
+            'snowflake_request_duration_seconds_bucket{le="+Inf",method="get_id",protocol="thrift"}'
+        ]
+        == 2
+    )
+    assert (
+        counts['snowflake_request_duration_seconds_count{method="get_id",protocol="thrift"}'] == 2
+    )
     assert counts['snowflake_connections_open{protocol="thrift"}'] == 1
     assert counts["snowflake_connections_accepted_total"] == 2
     assert (counts["snowflake_worker_id"], counts["snowflake_datacenter_id"]) == (5, 2)
@@ -101,7 +123,10 @@ def test_no_increment_is_lost_under_concurrent_scrapes() -> None:
     counts = scrape(metrics)
     assert counts["snowflake_ids_generated_total"] == 80_000
     assert counts['snowflake_ids_by_agent_total{agent="a"}'] == 80_000
-    assert counts['snowflake_request_duration_seconds_count{method="get_id"}'] == 80_000
+    assert (
+        counts['snowflake_request_duration_seconds_count{method="get_id",protocol="thrift"}']
+        == 80_000
+    )
 
 
 def test_promtool_accepts_the_exposition(server: InProcessServer) -> None:

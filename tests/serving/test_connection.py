@@ -194,7 +194,10 @@ def test_the_fast_path_counts_each_agent_and_refuses_bad_ones_on_one_connection(
         assert metrics['snowflake_ids_by_agent_total{agent="alpha"}'] == 3
         assert metrics['snowflake_ids_by_agent_total{agent="beta"}'] == 2
         assert failures(metrics, "invalid_user_agent") == 2
-        assert metrics['snowflake_request_duration_seconds_count{method="get_id"}'] == 7
+        assert (
+            metrics['snowflake_request_duration_seconds_count{method="get_id",protocol="thrift"}']
+            == 7
+        )
 
 
 def _stepped_back_server(
