@@ -135,11 +135,18 @@ class GeneratorCounters:
     sequence_exhausted_waits: int = 0
     reservation_stalls: int = 0
     clock_sequence_switches: int = 0
+    max_backward_step_ms: int = 0
+    """The largest step back of the clock seen, in ms behind the newest id (a maximum:
+    adding counters keeps the larger)."""
 
     def __add__(self, other: GeneratorCounters) -> GeneratorCounters:
-        return GeneratorCounters(
-            *(getattr(self, f.name) + getattr(other, f.name) for f in fields(self))
-        )
+        sums = {
+            f.name: getattr(self, f.name) + getattr(other, f.name)
+            for f in fields(self)
+            if f.name != "max_backward_step_ms"
+        }
+        step = max(self.max_backward_step_ms, other.max_backward_step_ms)
+        return GeneratorCounters(**sums, max_backward_step_ms=step)
 
 
 class IdSource(Protocol):
@@ -303,6 +310,7 @@ class IdGenerator:
         self.sequence_exhausted_waits = 0
         self.reservation_stalls = 0
         self.clock_sequence_switches = 0
+        self.max_backward_step_ms = 0
 
     @property
     def clock_sequence(self) -> int:
@@ -448,6 +456,7 @@ class IdGenerator:
                 sequence_exhausted_waits=self.sequence_exhausted_waits,
                 reservation_stalls=self.reservation_stalls,
                 clock_sequence_switches=self.clock_sequence_switches,
+                max_backward_step_ms=self.max_backward_step_ms,
             )
 
     def _advance(self, now: int) -> None:
@@ -490,6 +499,8 @@ class IdGenerator:
                 self._sleep(_EXHAUSTED_POLL_S)
             else:
                 behind = last - now
+                # Off the per-id path: only a clock found behind the newest id gets here.
+                self.max_backward_step_ms = max(self.max_backward_step_ms, behind)
                 if behind > self._tolerance:
                     if len(self._used_until) > 1:
                         self._switch_clock_sequence(now, behind, waited_full, waited_back)

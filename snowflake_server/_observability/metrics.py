@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from .._ids.generator import IdSource
 from .._version import __version__
+from .clock import KernelClockReader, read_kernel_clock, synchronized
 from .logs import LOG_LIMIT
 
 __all__ = [
@@ -152,7 +153,8 @@ class ServiceMetrics(Collector):
     The per-call metrics carry the ``protocol`` of the connection that served them.
     At most ``max_agents`` distinct user agents get a label of their own; ids
     for any further agent are counted under ``OVERFLOW_AGENT``. ``worker_id_source``
-    (number, auto, ordinal, ip, mac) labels ``snowflake_info``.
+    (number, auto, ordinal, ip, mac) labels ``snowflake_info``. ``kernel_clock``
+    reads the kernel's clock state at each scrape (tests inject one).
     """
 
     def __init__(
@@ -162,7 +164,9 @@ class ServiceMetrics(Collector):
         *,
         max_agents: int = 100,
         worker_id_source: str = "number",
+        kernel_clock: KernelClockReader = read_kernel_clock,
     ) -> None:
+        self._kernel_clock = kernel_clock
         self._generator = generator
         self._methods = tuple(methods)
         self._max_agents = max_agents
@@ -288,6 +292,7 @@ class ServiceMetrics(Collector):
             "instead of refusing or waiting (--clock-sequence-bits).",
             counts.clock_sequence_switches,
         )
+        yield from self._clock_health(counts.max_backward_step_ms)
         yield _counter(
             "sequence_exhausted_waits",
             "Times all sequence numbers of a ms were used and generation waited for the next ms.",
@@ -344,6 +349,23 @@ class ServiceMetrics(Collector):
         )
         build.add_metric([__version__, platform.python_version()], 1)
         yield build
+
+    def _clock_health(self, max_backward_step_ms: int) -> Iterable[Metric]:
+        yield GaugeMetricFamily(
+            "snowflake_clock_max_backward_step_seconds",
+            "The largest step back of the wall clock seen, measured from the newest id's "
+            "time (0: none since the start).",
+            value=max_backward_step_ms / 1000,
+        )
+        synced = synchronized(self._kernel_clock())
+        if synced is not None:
+            yield GaugeMetricFamily(
+                "snowflake_clock_synchronized",
+                "1 while the kernel calls the wall clock synchronised (adjtimex: not "
+                "TIME_ERROR, STA_UNSYNC clear), 0 while not; absent where the kernel "
+                "cannot be asked.",
+                value=int(synced),
+            )
 
     def _calls(self, by_protocol: Mapping[str, ConnectionStats]) -> Iterable[Metric]:
         # Every series that can move is there from the start (zeros, not gaps): each

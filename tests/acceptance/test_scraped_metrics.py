@@ -9,6 +9,8 @@ from snowflake_server._observability.metrics import OVERFLOW_AGENT
 from tests.support.processes import parse_metrics, start_server
 from tests.support.waiting import wait_until
 
+P = 'protocol="thrift"'  # every call here is a Thrift call
+
 
 @pytest.mark.parametrize("transport", ["framed", "buffered"])
 def test_scraped_metrics_match_the_calls_made(transport: Transport) -> None:
@@ -30,24 +32,24 @@ def test_scraped_metrics_match_the_calls_made(transport: Transport) -> None:
             'snowflake_ids_by_agent_total{agent="alpha"}': 7,
             'snowflake_ids_by_agent_total{agent="beta"}': 100,
             f'snowflake_ids_by_agent_total{{agent="{OVERFLOW_AGENT}"}}': 5,
-            'snowflake_exceptions_total{kind="invalid_user_agent",method="get_id",protocol="thrift"}': 2,
-            'snowflake_exceptions_total{kind="invalid_user_agent",method="get_ids",protocol="thrift"}': 0,
-            'snowflake_exceptions_total{kind="invalid_count",method="get_ids",protocol="thrift"}': 1,
-            'snowflake_exceptions_total{kind="invalid_system_clock",method="get_id",protocol="thrift"}': 0,
-            'snowflake_exceptions_total{kind="internal_error",method="get_id",protocol="thrift"}': 0,
-            'snowflake_exceptions_total{kind="protocol_error",method="none",protocol="thrift"}': 0,
-            'snowflake_requests_total{method="get_id",outcome="ok",protocol="thrift"}': 7,
-            'snowflake_requests_total{method="get_id",outcome="invalid_user_agent",protocol="thrift"}': 2,
-            'snowflake_requests_total{method="get_ids",outcome="ok",protocol="thrift"}': 2,
-            'snowflake_requests_total{method="get_ids",outcome="invalid_count",protocol="thrift"}': 1,
-            'snowflake_requests_total{method="get_worker_id",outcome="ok",protocol="thrift"}': 1,
-            'snowflake_requests_total{method="get_layout",outcome="ok",protocol="thrift"}': 0,
+            f'snowflake_exceptions_total{{kind="invalid_user_agent",method="get_id",{P}}}': 2,
+            f'snowflake_exceptions_total{{kind="invalid_user_agent",method="get_ids",{P}}}': 0,
+            f'snowflake_exceptions_total{{kind="invalid_count",method="get_ids",{P}}}': 1,
+            f'snowflake_exceptions_total{{kind="invalid_system_clock",method="get_id",{P}}}': 0,
+            f'snowflake_exceptions_total{{kind="internal_error",method="get_id",{P}}}': 0,
+            f'snowflake_exceptions_total{{kind="protocol_error",method="none",{P}}}': 0,
+            f'snowflake_requests_total{{method="get_id",outcome="ok",{P}}}': 7,
+            f'snowflake_requests_total{{method="get_id",outcome="invalid_user_agent",{P}}}': 2,
+            f'snowflake_requests_total{{method="get_ids",outcome="ok",{P}}}': 2,
+            f'snowflake_requests_total{{method="get_ids",outcome="invalid_count",{P}}}': 1,
+            f'snowflake_requests_total{{method="get_worker_id",outcome="ok",{P}}}': 1,
+            f'snowflake_requests_total{{method="get_layout",outcome="ok",{P}}}': 0,
             'snowflake_info{datacenter_id="0",worker_id="3",worker_id_source="number"}': 1,
             "snowflake_ready": 1,
-            'snowflake_request_duration_seconds_count{method="get_id",protocol="thrift"}': 9,
-            'snowflake_request_duration_seconds_count{method="get_ids",protocol="thrift"}': 3,
-            'snowflake_request_duration_seconds_count{method="get_worker_id",protocol="thrift"}': 1,
-            'snowflake_request_duration_seconds_count{method="get_layout",protocol="thrift"}': 0,
+            f'snowflake_request_duration_seconds_count{{method="get_id",{P}}}': 9,
+            f'snowflake_request_duration_seconds_count{{method="get_ids",{P}}}': 3,
+            f'snowflake_request_duration_seconds_count{{method="get_worker_id",{P}}}': 1,
+            f'snowflake_request_duration_seconds_count{{method="get_layout",{P}}}': 0,
             'snowflake_clock_backwards_total{action="refused"}': 0,
             "snowflake_worker_id": 3,
             'snowflake_connections_open{protocol="thrift"}': 1,

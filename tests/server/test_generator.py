@@ -535,7 +535,8 @@ def test_a_thread_that_must_not_wait_gets_would_block_for_a_step_back_and_counts
     before = gen.counters()
     assert isinstance(_on_a_thread_that_must_not_wait(gen.next_id), WouldBlock)
     assert isinstance(_on_a_thread_that_must_not_wait(lambda: gen.next_ids(3)), WouldBlock)
-    assert gen.counters() == before and not clock.sleeps
+    # Nothing counted; the step itself was seen (what the clock did, not a call's count).
+    assert gen.counters() == replace(before, max_backward_step_ms=3) and not clock.sleeps
     # The same call on a thread that may wait: waited out, counted once.
     assert gen.next_id() > first
     assert gen.counters().clock_backwards_waited == 1
@@ -568,6 +569,7 @@ def test_a_thread_that_must_not_wait_never_waits_for_the_lock() -> None:
         before,
         ids_generated=before.ids_generated + 1,
         clock_backwards_waited=before.clock_backwards_waited + 1,
+        max_backward_step_ms=2,
     )
 
 
@@ -969,3 +971,27 @@ def test_no_id_is_issued_twice_whatever_the_clock_does(
         except ClockMovedBackwardsError as e:
             assert e.behind_ms > tolerance
     assert len(set(issued)) == len(issued)
+
+
+def test_the_largest_step_back_seen_is_kept() -> None:
+    clock = FakeClock(T0)
+    gen = make(clock)  # --max-backwards-ms 5 by default
+    gen.next_id()
+    assert gen.counters().max_backward_step_ms == 0
+    clock.now -= 3  # waited out
+    gen.next_id()
+    assert gen.counters().max_backward_step_ms == 3
+    clock.now -= 2000  # refused
+    with pytest.raises(ClockMovedBackwardsError):
+        gen.next_id()
+    clock.now += 1997  # still behind, by less (waited out): the largest stays
+    gen.next_id()
+    assert gen.counters().max_backward_step_ms == 2000
+
+
+def test_adding_counters_sums_the_counts_and_keeps_the_largest_step() -> None:
+    first = GeneratorCounters(ids_generated=3, max_backward_step_ms=40)
+    second = GeneratorCounters(ids_generated=4, clock_backwards_waited=1, max_backward_step_ms=7)
+    assert first + second == GeneratorCounters(
+        ids_generated=7, clock_backwards_waited=1, max_backward_step_ms=40
+    )

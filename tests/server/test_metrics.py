@@ -6,11 +6,19 @@ import shutil
 import subprocess
 import threading
 
+import pytest
 from prometheus_client.exposition import generate_latest
 
-from snowflake_server import GeneratorSettings, IdGenerator
+from snowflake_server import ClockMovedBackwardsError, GeneratorSettings, IdGenerator
+from snowflake_server._observability.clock import (
+    STA_UNSYNC,
+    TIME_ERROR,
+    read_kernel_clock,
+    synchronized,
+)
 from snowflake_server._observability.metrics import OVERFLOW_AGENT, ServiceMetrics
 from snowflake_server._thrift.processor import service_methods
+from tests.support.fakes import FakeClock
 from tests.support.inprocess import InProcessServer
 from tests.support.processes import failures, parse_metrics
 
@@ -143,3 +151,54 @@ def test_health_and_unknown_paths(server: InProcessServer) -> None:
     status, body = server.http_get("/health")
     assert status == 200 and '"status": "ok"' in body and '"worker_id": 0' in body
     assert server.http_get("/nope")[0] == 404
+
+
+@pytest.mark.parametrize(
+    ("reading", "gauge"),
+    [
+        ((0, 0x2001), 1.0),  # TIME_OK, STA_PLL | STA_NANO: an NTP daemon keeps it in sync
+        ((1, 0x0011), 1.0),  # TIME_INS: a leap second announced, still in sync
+        ((TIME_ERROR, STA_UNSYNC), 0.0),  # no daemon has ever synchronised it
+        ((TIME_ERROR, 0), 0.0),  # the state alone says so
+        ((0, STA_UNSYNC), 0.0),  # the status alone says so
+        (None, None),  # adjtimex unavailable: absent, not guessed
+    ],
+)
+def test_the_clock_synchronized_gauge_follows_the_kernel(
+    reading: tuple[int, int] | None, gauge: float | None
+) -> None:
+    generator = IdGenerator(GeneratorSettings())
+    reads: list[None] = []
+
+    def kernel() -> tuple[int, int] | None:
+        reads.append(None)
+        return reading
+
+    metrics = ServiceMetrics(generator, service_methods(), kernel_clock=kernel)
+    assert reads == []  # read at scrape time only
+    assert scrape(metrics).get("snowflake_clock_synchronized") == gauge
+    assert len(reads) == 1
+
+
+def test_the_kernel_clock_is_read_for_real() -> None:
+    # One real adjtimex: the ctypes binding (struct timex's layout) works on this host.
+    reading = read_kernel_clock()
+    assert reading is not None, "adjtimex(2) is available on Linux"
+    state, status = reading
+    assert 0 <= state <= TIME_ERROR and status >= 0
+    assert synchronized(reading) is (state != TIME_ERROR and not status & STA_UNSYNC)
+    generator = IdGenerator(GeneratorSettings())
+    synced = scrape(ServiceMetrics(generator, service_methods()))["snowflake_clock_synchronized"]
+    assert synced == float(bool(synchronized(read_kernel_clock())))
+
+
+def test_the_largest_backward_step_is_exported_in_seconds() -> None:
+    clock = FakeClock(1_700_000_000_000)
+    generator = IdGenerator(GeneratorSettings(), clock=clock, sleep=clock.sleep)
+    metrics = ServiceMetrics(generator, service_methods(), kernel_clock=lambda: None)
+    generator.next_id()
+    assert scrape(metrics)["snowflake_clock_max_backward_step_seconds"] == 0
+    clock.now -= 1500
+    with pytest.raises(ClockMovedBackwardsError):
+        generator.next_id()
+    assert scrape(metrics)["snowflake_clock_max_backward_step_seconds"] == 1.5
