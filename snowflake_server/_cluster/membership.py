@@ -176,6 +176,8 @@ class Cluster(Collector):
         self._skipped: Counter[str] = Counter()
         self.registrations = 0
         self.client_restarts = 0
+        # The worker ids of our datacenter registered when the peers were checked.
+        self._registered_ids: frozenset[int] | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -251,10 +253,12 @@ class Cluster(Collector):
     def check_peers(self) -> None:
         """Twitter's sanity checks against every registered peer (see ``peers``)."""
         self._interrupted("about to ask the registered peers")
-        check_peers(
+        pairs = check_peers(
             self._client, self._settings, self.address, self._clock, self._sleep,
             self._interrupt.is_set,
         )  # fmt: skip
+        if pairs is not None:
+            self._registered_ids = frozenset(w for dc, w in pairs if dc == self._dc)
 
     def register(self) -> None:
         """Take a worker id (retrying a held static one twice, 1 s apart, as Twitter
@@ -597,8 +601,25 @@ class Cluster(Collector):
             "reason",
             {reason: self._skipped[reason] for reason in ("mark_ahead", "other_layout")},
         )
+        yield from self._free_worker_ids()
         yield CounterMetricFamily(
             "snowflake_zookeeper_client_restarts",
             "ZooKeeper clients replaced after staying without a session too long.",
             value=self.client_restarts,
+        )
+
+    def _free_worker_ids(self) -> Iterable[Metric]:
+        # From the registrations listed when the peers were checked (no ZooKeeper read
+        # per scrape), with the id we hold now: the newest node's count is the freshest.
+        seen = self._registered_ids
+        if seen is None:
+            return
+        worker = self._slot.worker
+        held = {worker.generator.settings.worker_id} if worker is not None else set()
+        yield GaugeMetricFamily(
+            "snowflake_free_worker_ids",
+            "Worker ids of this node's datacenter no node had registered when this node "
+            "checked its peers at start-up (its own taken out): the node that started last "
+            "sees the fewest.",
+            value=self._layout.max_worker_id + 1 - len(seen | held),
         )

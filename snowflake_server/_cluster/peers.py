@@ -84,18 +84,21 @@ def check_peers(
     clock: Callable[[], int],
     sleep: Callable[[float], object] = time.sleep,
     stopped: Callable[[], bool] = _never,
-) -> None:
+) -> set[Pair] | None:
     """Check every peer registered under ``settings.zk_path`` (except ``address``,
     our own), naming the peer and the number that was wrong: ``StartupRefused`` for
     insanity, ``StartupDeferred`` for a peer silent past the bound or clocks too far
     apart. ``sleep`` waits between the tries of a peer that does not answer; once
-    ``stopped()`` says so after a wait, ``StartupInterrupted``."""
+    ``stopped()`` says so after a wait, ``StartupInterrupted``. Returns the
+    (datacenter, worker) pairs registered, ours included (None with
+    --skip-sanity-checks: nothing was read)."""
     if settings.skip_sanity_checks:
         log.warning("--skip-sanity-checks: not asking registered peers")
-        return
+        return None
     root = f"{settings.zk_path}/nodes"
     wait = settings.zk_connect_timeout
     registered = _registrations(client, root, wait)
+    pairs = {pair for held in registered.values() for pair in held}
     # Our own address: sibling processes on this host and clock (and our own socket,
     # which refuses connections until we listen).
     registered.pop(address, None)
@@ -112,7 +115,7 @@ def check_peers(
             skews.append((at, skew))
     if not skews:
         log.info("no registered peers to check")
-        return
+        return pairs
     mean = sum(skew for _, skew in skews) / len(skews)
     if abs(mean) > settings.max_peer_skew * 1000:
         detail = ", ".join(f"{peer} {skew:+d} ms" for peer, skew in skews)
@@ -123,6 +126,7 @@ def check_peers(
             "the clocks (NTP): a later start passes once they agree"
         )
     log.info("%d peer(s) sane; mean clock offset %+.0f ms", len(skews), mean)
+    return pairs
 
 
 def _registrations(client: Any, root: str, wait: float) -> dict[str, set[Pair]]:

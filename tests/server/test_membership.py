@@ -359,6 +359,35 @@ def test_a_static_id_is_registered_and_served(member: Make, zk: KazooClient, zk_
     assert events(node.cluster) == {"connected": 1, "suspended": 0, "lost": 0}
 
 
+def test_free_worker_ids_are_counted_from_the_registrations_the_peer_checks_read(
+    member: Make, zk: KazooClient, zk_path: str
+) -> None:
+    node = member(worker_id=-1)
+    worker_ids = node.slot.settings.layout.max_worker_id + 1
+    # Registrations at our own address (sibling processes) are read but never dialled.
+    hold(zk, f"{zk_path}/nodes/0/0", node.address)
+    hold(zk, f"{zk_path}/nodes/0/1", node.address)
+    hold(zk, f"{zk_path}/nodes/1/2", node.address)  # another datacenter's: not ours
+    node.cluster.connect()
+    assert "snowflake_free_worker_ids" not in samples(node.cluster)  # nothing read yet
+    node.cluster.check_peers()
+    assert samples(node.cluster)["snowflake_free_worker_ids"] == worker_ids - 2
+    node.cluster.register()
+    assert node.worker_id == 2
+    assert samples(node.cluster)["snowflake_free_worker_ids"] == worker_ids - 3
+    # Counted from what was read, not read again at each scrape.
+    hold(zk, f"{zk_path}/nodes/0/9", node.address)
+    assert samples(node.cluster)["snowflake_free_worker_ids"] == worker_ids - 3
+
+
+def test_no_free_worker_ids_gauge_without_the_peer_checks(member: Make) -> None:
+    node = member(worker_id=3, skip_sanity_checks=True)
+    node.cluster.connect()
+    node.cluster.check_peers()  # --skip-sanity-checks: nothing listed
+    node.cluster.register()
+    assert "snowflake_free_worker_ids" not in samples(node.cluster)
+
+
 def test_auto_takes_the_lowest_free_id(member: Make, zk: KazooClient, zk_path: str) -> None:
     hold(zk, f"{zk_path}/nodes/0/0")
     hold(zk, f"{zk_path}/nodes/0/2")

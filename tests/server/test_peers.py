@@ -64,7 +64,7 @@ class Check(Protocol):
         sleep: Callable[[float], object] = ...,
         stopped: Callable[[], bool] = ...,
         **overrides: object,
-    ) -> None: ...
+    ) -> set[tuple[int, int]] | None: ...
 
 
 @pytest.fixture
@@ -77,14 +77,14 @@ def check(zookeeper: ZooKeeper, zk: KazooClient, zk_path: str) -> Check:
         sleep: Callable[[float], object] = lambda _s: None,
         stopped: Callable[[], bool] = lambda: False,
         **overrides: object,
-    ) -> None:
+    ) -> set[tuple[int, int]] | None:
         settings = ServerSettings(
             zookeeper=zookeeper.hosts,
             zk_path=zk_path,
             worker_id=6,
             **overrides,  # type: ignore[arg-type]
         )
-        check_peers(zk, settings.cluster, ours, clock, sleep, stopped)
+        return check_peers(zk, settings.cluster, ours, clock, sleep, stopped)
 
     return run
 
@@ -94,7 +94,7 @@ def test_no_registrations_no_peers(
 ) -> None:
     caplog.set_level("INFO")
     assert children(zk, f"{zk_path}/nodes", "reading") == []
-    check()
+    assert check() == set()  # the registrations seen: none
     assert "no registered peers to check" in caplog.text
 
 
@@ -109,7 +109,8 @@ def test_a_sane_peer_passes(
 ) -> None:
     caplog.set_level("INFO")
     register("0/5", address(peer))
-    check()
+    register("1/3", US)  # ours (another process of this node): never dialled, but seen
+    assert check() == {(0, 5), (1, 3)}
     assert re.search(r"1 peer\(s\) sane; mean clock offset [+-]\d+ ms", caplog.text)
 
 
