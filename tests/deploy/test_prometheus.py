@@ -42,6 +42,8 @@ _VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 # Alerts that a healthy cluster must not raise (the others depend on timing and load).
 QUIET_ON_A_HEALTHY_FLEET = {
     "SnowflakeClockBackwardsRefused",
+    "SnowflakeClockSteppedBack",
+    "SnowflakeFewFreeWorkerIds",
     "SnowflakeStateWriteErrors",
     "SnowflakeNodeNotReady",
     "SnowflakeTargetDown",
@@ -99,18 +101,23 @@ def substitute(expr: str, variables: dict[str, str]) -> str:
 
 
 def example_variables() -> dict[str, str]:
-    return {**INTERVALS, "job": JOB, "instance": regex_of(["10.0.0.1:9990", "10.0.0.2:9990"])}
+    return {
+        **INTERVALS,
+        "job": JOB,
+        "instance": regex_of(["10.0.0.1:9990", "10.0.0.2:9990"]),
+        "protocol": regex_of(["http", "thrift"]),
+    }
 
 
 def test_the_dashboard_is_well_formed() -> None:
     board = dashboard()
     assert board["schemaVersion"] == 39 and board["uid"] and board["title"]
     variables = {variable["name"]: variable for variable in board["templating"]["list"]}
-    assert list(variables) == ["datasource", "job", "instance"]
+    assert list(variables) == ["datasource", "job", "instance", "protocol"]
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
     datasource = {"type": "prometheus", "uid": "${datasource}"}
-    for name in ("job", "instance"):
+    for name in ("job", "instance", "protocol"):
         assert variables[name]["type"] == "query" and variables[name]["datasource"] == datasource
     panels = list(all_panels(board))
     ids = [panel["id"] for panel in panels]
@@ -232,7 +239,13 @@ def instance(server: ServerProcess) -> str:
 
 
 def exercise(server: ServerProcess) -> None:
-    """One call of each method, and calls that fail, so that every outcome is counted."""
+    """One call of each method, and calls that fail, so that every outcome is counted;
+    over HTTP too where the server serves it."""
+    if server.http is not None:
+        host, port = server.http
+        for path in ("/v1/id?agent=deploy-test", "/v1/ids?agent=deploy-test&count=3"):
+            with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=10) as reply:
+                assert reply.status == 200
     client = server.raw_client()
     client.get_id("deploy-test")
     client.get_ids("deploy-test", 3)
@@ -256,7 +269,7 @@ def test_prometheus_evaluates_every_panel_and_alert(
         "--zookeeper", zookeeper.hosts, "--zk-path", zk_path, "--advertise-host", "127.0.0.1",
     )  # fmt: skip
     with contextlib.ExitStack() as stack:
-        node = start_server(*cluster, "--worker-id", "1")
+        node = start_server(*cluster, "--worker-id", "1", "--http-port", "0")
         stack.callback(node.stop)
         pair = start_server(*cluster, "--worker-id", "2", "--processes", "2")  # workers 2, 3
         stack.callback(pair.stop)
@@ -330,7 +343,17 @@ def check_prometheus(
     )
     assert offered["data"] == instances
 
-    variables = {**INTERVALS, "job": JOB, "instance": regex_of(instances)}
+    offered = prometheus.get(
+        "/api/v1/label/protocol/values",
+        **{"match[]": f'snowflake_requests_total{{job=~"{JOB}"}}'},
+    )
+    assert offered["data"] == ["http", "thrift"]
+    variables = {
+        **INTERVALS,
+        "job": JOB,
+        "instance": regex_of(instances),
+        "protocol": regex_of(offered["data"]),
+    }
     queries = [
         Query(q.source, substitute(q.expr, variables)) for q in panel_queries(dashboard())
     ] + alert_queries()
@@ -374,6 +397,33 @@ def check_prometheus(
     assert alert["labels"]["worker_id"] == "1" and alert["labels"]["datacenter_id"] == "0"
     holders = ", ".join(sorted([instance(node), instance(rogue)]))
     assert f"({holders})" in alert["annotations"]["description"], alert
+    check_the_new_series(prometheus, instances, node, rogue)
+
+
+def check_the_new_series(
+    prometheus: Prometheus, instances: list[str], node: ServerProcess, rogue: ServerProcess
+) -> None:
+    """Sums by method still see every call; protocol splits them; the clock and worker-id
+    gauges are there where they should be."""
+    # One instant (the load keeps calling): a sum by method minus its Thrift part is
+    # exactly the node's HTTP calls.
+    ok = f'snowflake_requests_total{{job="{JOB}",outcome="ok"}}'
+    thrift_ok = f'snowflake_requests_total{{job="{JOB}",outcome="ok",protocol="thrift"}}'
+    http_part = prometheus.query(f"sum by (method) ({ok}) - sum by (method) ({thrift_ok})")
+    assert {r["metric"]["method"]: float(r["value"][1]) for r in http_part} == {
+        "get_id": 1.0, "get_ids": 1.0, "get_layout": 0.0,
+        "get_datacenter_id": 0.0, "get_timestamp": 0.0, "get_worker_id": 0.0,
+    }  # fmt: skip
+    by_protocol = prometheus.query(f"sum by (protocol) ({ok})")
+    assert sorted(r["metric"]["protocol"] for r in by_protocol) == ["http", "thrift"]
+    synced = prometheus.query(f'count by (instance) (snowflake_clock_synchronized{{job="{JOB}"}})')
+    assert sorted(r["metric"]["instance"] for r in synced) == instances  # Linux: adjtimex
+    steps = prometheus.query(f'snowflake_clock_max_backward_step_seconds{{job="{JOB}"}}')
+    assert len(steps) == 4, steps  # node, the pair's two processes, rogue
+    free = prometheus.query(f'snowflake_free_worker_ids{{job="{JOB}"}}')
+    holders = {(r["metric"]["instance"], r["metric"].get("process", "")) for r in free}
+    assert instance(rogue) not in {at for at, _ in holders}  # standalone: no gauge
+    assert (instance(node), "") in holders and len(holders) == 3, holders
 
 
 def series(answer: dict[str, Any]) -> str:
