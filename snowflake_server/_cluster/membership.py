@@ -258,7 +258,12 @@ class Cluster(Collector):
             self._interrupt.is_set,
         )  # fmt: skip
         if pairs is not None:
-            self._registered_ids = frozenset(w for dc, w in pairs if dc == self._dc)
+            self.saw_registrations(pairs)
+
+    def saw_registrations(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """The (datacenter, worker) pairs registered in ZooKeeper, as the peer checks read
+        them: ``snowflake_zookeeper_free_worker_ids`` counts from these from now on."""
+        self._registered_ids = frozenset(w for dc, w in pairs if dc == self._dc)
 
     def register(self) -> None:
         """Take a worker id (retrying a held static one twice, 1 s apart, as Twitter
@@ -617,7 +622,7 @@ class Cluster(Collector):
         worker = self._slot.worker
         held = {worker.generator.settings.worker_id} if worker is not None else set()
         yield GaugeMetricFamily(
-            "snowflake_free_worker_ids",
+            "snowflake_zookeeper_free_worker_ids",
             "Worker ids of this node's datacenter no node had registered when this node "
             "checked its peers at start-up (its own taken out): the node that started last "
             "sees the fewest.",

@@ -420,7 +420,7 @@ def check_the_new_series(
     assert sorted(r["metric"]["instance"] for r in synced) == instances  # Linux: adjtimex
     steps = prometheus.query(f'snowflake_clock_max_backward_step_seconds{{job="{JOB}"}}')
     assert len(steps) == 4, steps  # node, the pair's two processes, rogue
-    free = prometheus.query(f'snowflake_free_worker_ids{{job="{JOB}"}}')
+    free = prometheus.query(f'snowflake_zookeeper_free_worker_ids{{job="{JOB}"}}')
     holders = {(r["metric"]["instance"], r["metric"].get("process", "")) for r in free}
     assert instance(rogue) not in {at for at, _ in holders}  # standalone: no gauge
     assert (instance(node), "") in holders and len(holders) == 3, holders

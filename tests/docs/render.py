@@ -133,6 +133,13 @@ def _no_worker(
     raise AssertionError("collecting metrics never opens a worker")
 
 
+WHEN = {
+    "snowflake_clock_synchronized": "where `adjtimex` answers (Linux)",
+    "snowflake_zookeeper_free_worker_ids": "cluster mode, without `--skip-sanity-checks`",
+}
+"""Families whose presence depends on the host rather than on the options."""
+
+
 def metric_families(workdir: Path) -> list[Family]:
     """Every family a server exposes: a real standalone server with an audit log, and
     the collectors cluster mode adds (collected without a ZooKeeper)."""
@@ -148,14 +155,18 @@ def metric_families(workdir: Path) -> list[Family]:
     standalone = [
         Family(f.name, f.type, f.labels, "with `--audit-log`", f.help)
         if f.name in audit_names
-        else f
+        else Family(f.name, f.type, f.labels, WHEN.get(f.name, f.when), f.help)
         for f in _parse(served, "always")
     ]
     settings = ServerSettings()
     slot = WorkerSlot(settings.ids, SessionGate())
     cluster = Cluster(settings.cluster, slot, wall_clock_ms, "127.0.0.1:1", open_worker=_no_worker)
+    cluster.saw_registrations([])  # as the peer checks at start-up do
     seen = {f.name for f in standalone}
-    clustered = _parse(_collected(cluster, CurrentReservation(slot)), "cluster mode")
+    clustered = [
+        Family(f.name, f.type, f.labels, WHEN.get(f.name, f.when), f.help)
+        for f in _parse(_collected(cluster, CurrentReservation(slot)), "cluster mode")
+    ]
     supervised = _parse(_collected(Supervisor(ServerSettings(processes=2))), "with `--processes`")
     return standalone + [f for f in clustered if f.name not in seen] + supervised
 

@@ -369,15 +369,15 @@ def test_free_worker_ids_are_counted_from_the_registrations_the_peer_checks_read
     hold(zk, f"{zk_path}/nodes/0/1", node.address)
     hold(zk, f"{zk_path}/nodes/1/2", node.address)  # another datacenter's: not ours
     node.cluster.connect()
-    assert "snowflake_free_worker_ids" not in samples(node.cluster)  # nothing read yet
+    assert "snowflake_zookeeper_free_worker_ids" not in samples(node.cluster)  # nothing read yet
     node.cluster.check_peers()
-    assert samples(node.cluster)["snowflake_free_worker_ids"] == worker_ids - 2
+    assert samples(node.cluster)["snowflake_zookeeper_free_worker_ids"] == worker_ids - 2
     node.cluster.register()
     assert node.worker_id == 2
-    assert samples(node.cluster)["snowflake_free_worker_ids"] == worker_ids - 3
+    assert samples(node.cluster)["snowflake_zookeeper_free_worker_ids"] == worker_ids - 3
     # Counted from what was read, not read again at each scrape.
     hold(zk, f"{zk_path}/nodes/0/9", node.address)
-    assert samples(node.cluster)["snowflake_free_worker_ids"] == worker_ids - 3
+    assert samples(node.cluster)["snowflake_zookeeper_free_worker_ids"] == worker_ids - 3
 
 
 def test_no_free_worker_ids_gauge_without_the_peer_checks(member: Make) -> None:
@@ -385,7 +385,7 @@ def test_no_free_worker_ids_gauge_without_the_peer_checks(member: Make) -> None:
     node.cluster.connect()
     node.cluster.check_peers()  # --skip-sanity-checks: nothing listed
     node.cluster.register()
-    assert "snowflake_free_worker_ids" not in samples(node.cluster)
+    assert "snowflake_zookeeper_free_worker_ids" not in samples(node.cluster)
 
 
 def test_auto_takes_the_lowest_free_id(member: Make, zk: KazooClient, zk_path: str) -> None:
