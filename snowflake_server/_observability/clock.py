@@ -9,7 +9,6 @@ gauge is left out rather than guessed.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from collections.abc import Callable
 
 __all__ = ["STA_UNSYNC", "TIME_ERROR", "KernelClockReader", "read_kernel_clock", "synchronized"]
@@ -55,11 +54,10 @@ class _Timex(ctypes.Structure):
 
 
 def _libc_adjtimex() -> Callable[..., int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+    # The process's own symbols (libc is loaded already): no ctypes.util.find_library,
+    # which runs ldconfig or a compiler in a subprocess.
     try:
-        libc = ctypes.CDLL(name, use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
     call = getattr(libc, "adjtimex", None) or getattr(libc, "ntp_adjtime", None)
