@@ -36,6 +36,7 @@ forward used it) is skipped, and counted, rather than refusing to start.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 from collections import Counter
@@ -69,7 +70,7 @@ from .lease import Lease
 from .peers import check_peers
 from .session import GrantedTimeout, watch_granted_timeout
 from .slot import WorkerSlot
-from .zk import check_tls_files, client_options, describe_zk_error, tls_hint
+from .zk import check_tls_files, children, client_options, describe_zk_error, tls_hint
 from .zkmarks import ZK_MARK_AHEAD_MS, MarkOfAnotherLayout, ZkMarkStore, restore_marks
 
 __all__ = ["Cluster", "OpenWorker", "advertised_address"]
@@ -95,6 +96,7 @@ class OpenWorker(Protocol):
 
 _CONNECT_POLL_S = 0.05  # how soon a stop ends the wait for ZooKeeper's connection
 _REPEAT_LOG_S = 60.0  # a failure to register again, said again at most this often
+_REGISTRATIONS_EVERY_S = 30.0  # the free-worker-ids gauge's registrations, read again
 
 
 def advertised_address(settings: ClusterSettings, bound_port: int) -> str:
@@ -178,6 +180,7 @@ class Cluster(Collector):
         self.client_restarts = 0
         # The worker ids of our datacenter registered when the peers were checked.
         self._registered_ids: frozenset[int] | None = None
+        self._registrations_read_at = -math.inf
         self._thread: threading.Thread | None = None
 
     @property
@@ -264,6 +267,7 @@ class Cluster(Collector):
         """The (datacenter, worker) pairs registered in ZooKeeper, as the peer checks read
         them: ``snowflake_zookeeper_free_worker_ids`` counts from these from now on."""
         self._registered_ids = frozenset(w for dc, w in pairs if dc == self._dc)
+        self._registrations_read_at = self._now()
 
     def register(self) -> None:
         """Take a worker id (retrying a held static one twice, 1 s apart, as Twitter
@@ -490,6 +494,7 @@ class Cluster(Collector):
         # could extend the gate, and one that is ours again opens it in the same tick.
         self._keep_layout()
         self._heartbeat()
+        self._count_registrations()
 
     def _heartbeat(self) -> None:
         node = self._node
@@ -497,6 +502,28 @@ class Cluster(Collector):
         if not self._gate.heartbeat(self._client, node, self.granted):
             log.error("our registration %s is gone or not ours any more", node)
             self._gate.close(f"registration {node} lost; registering again")
+
+    def _count_registrations(self) -> None:
+        """Read the datacenter's registrations again for the free-worker-ids gauge, every
+        ``_REGISTRATIONS_EVERY_S`` (one read, after the heartbeat: never between the
+        layout read and it), so that nodes joining and leaving since the start show."""
+        if self._registered_ids is None:
+            return  # the peer checks were skipped: no gauge
+        now = self._now()
+        if now - self._registrations_read_at < _REGISTRATIONS_EVERY_S:
+            return
+        self._registrations_read_at = now
+        what = f"reading the registrations in {self._nodes}"
+        try:
+            names = children(
+                self._client, self._nodes, what, min(self._wait, self.session_timeout / 4)
+            )
+        except (StartupDeferred, KazooException, KazooTimeoutError) as e:
+            # Only a gauge: the last count stands, the next read is in 30 s (the
+            # heartbeat, not this, says when ZooKeeper is in trouble).
+            log.debug("free worker ids: %s", e)
+            return
+        self._registered_ids = frozenset(int(name) for name in names if name.isdigit())
 
     def _keep_layout(self) -> None:
         """Apply the layout record while serving.
@@ -614,8 +641,8 @@ class Cluster(Collector):
         )
 
     def _free_worker_ids(self) -> Iterable[Metric]:
-        # From the registrations listed when the peers were checked (no ZooKeeper read
-        # per scrape), with the id we hold now: the newest node's count is the freshest.
+        # From the registrations last read (no ZooKeeper read per scrape), with the id we
+        # hold now.
         seen = self._registered_ids
         if seen is None:
             return
@@ -623,8 +650,7 @@ class Cluster(Collector):
         held = {worker.generator.settings.worker_id} if worker is not None else set()
         yield GaugeMetricFamily(
             "snowflake_zookeeper_free_worker_ids",
-            "Worker ids of this node's datacenter no node had registered when this node "
-            "checked its peers at start-up (its own taken out): the node that started last "
-            "sees the fewest.",
+            "Worker ids of this node's datacenter no node has registered (its own taken "
+            "out), as read at the peer checks and every 30 s since.",
             value=self._layout.max_worker_id + 1 - len(seen | held),
         )

@@ -359,7 +359,7 @@ def test_a_static_id_is_registered_and_served(member: Make, zk: KazooClient, zk_
     assert events(node.cluster) == {"connected": 1, "suspended": 0, "lost": 0}
 
 
-def test_free_worker_ids_are_counted_from_the_registrations_the_peer_checks_read(
+def test_free_worker_ids_are_counted_from_the_registrations_read_every_30_s(
     member: Make, zk: KazooClient, zk_path: str
 ) -> None:
     node = member(worker_id=-1)
@@ -375,9 +375,20 @@ def test_free_worker_ids_are_counted_from_the_registrations_the_peer_checks_read
     node.cluster.register()
     assert node.worker_id == 2
     assert samples(node.cluster)["snowflake_zookeeper_free_worker_ids"] == worker_ids - 3
-    # Counted from what was read, not read again at each scrape.
+    # Counted from what was read, not read again at each scrape nor at each tick...
     hold(zk, f"{zk_path}/nodes/0/9", node.address)
+    zk.delete(f"{zk_path}/nodes/0/0")
+    node.gate.advance(29.0)
+    node.tick()
     assert samples(node.cluster)["snowflake_zookeeper_free_worker_ids"] == worker_ids - 3
+    # ...but every 30 s, after the heartbeat: one node joined (9), one left (0).
+    node.gate.advance(1.0)
+    node.tick()
+    assert samples(node.cluster)["snowflake_zookeeper_free_worker_ids"] == worker_ids - 3
+    zk.delete(f"{zk_path}/nodes/0/1")
+    node.gate.advance(30.0)
+    node.tick()
+    assert samples(node.cluster)["snowflake_zookeeper_free_worker_ids"] == worker_ids - 2
 
 
 def test_no_free_worker_ids_gauge_without_the_peer_checks(member: Make) -> None:
