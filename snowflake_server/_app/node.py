@@ -416,20 +416,41 @@ class Node:
         if self._server is not None:
             self._server.request_shutdown()
 
-    def reload(self) -> None:
-        """SIGHUP: new connections get the TLS certificate, key and client CA as the
-        files now hold them, on the Thrift and HTTP ports alike, and the admin endpoint's
-        web configuration as its file now says (a file that does not load keeps the old
-        settings, and the log says why); the audit trail goes to a fresh open of its
-        file. The ZooKeeper session and its connection are kept (a new session would lose
-        the worker id's lease): its TLS files are only checked, and said to be used from
-        the next reconnection on (kazoo reads them at each connection). Each of these
-        steps runs whatever the others did: one that fails is logged, never raised."""
+    def reload(self, log_file: LogFile | None = None) -> None:
+        """SIGHUP: ``log_file`` (if any) is opened afresh; new connections get the TLS
+        certificate, key and client CA as the files now hold them, on the Thrift and HTTP
+        ports alike, and the admin endpoint's web configuration as its file now says (a
+        file that does not load keeps the old settings, and the log says why); the audit
+        trail goes to a fresh open of its file. The ZooKeeper session and its connection
+        are kept (a new session would lose the worker id's lease): its TLS files are only
+        checked, and said to be used from the next reconnection on (kazoo reads them at
+        each connection). One line first says what this SIGHUP reloads, or that there is
+        nothing to reload: the operator sees it was received either way. Each step runs
+        whatever the others did: one that fails is logged, never raised."""
+        if log_file is not None:
+            # First, so that the line below lands in the new file the operator looks at.
+            reload_step("the log file", log_file.reopen)
+        announce_reload((["the log file"] if log_file is not None else []) + self.reloadable())
         reload_step("the TLS certificate", self._reload_tls)
         if self._admin is not None:
             reload_admin(self._admin, self.settings.admin.web_config_file)
         reload_step("the ZooKeeper TLS check", self._check_zk_tls)
         reload_step("the audit log", self._reopen_audit)
+
+    def reloadable(self) -> list[str]:
+        """What :meth:`reload` reloads now (besides a log file), in its order: only what
+        is configured and started."""
+        settings = self.settings
+        steps = [
+            (self._server is not None and bool(settings.serving.tls_cert),
+             "the API's TLS certificate"),
+            (self._admin is not None and bool(settings.admin.web_config_file),
+             "the admin endpoint's web configuration"),
+            (bool(settings.zookeeper and settings.zk_access.tls),
+             "the ZooKeeper TLS files (checked; the session is kept)"),
+            (self._audit is not None, "the audit log"),
+        ]  # fmt: skip
+        return [what for applies, what in steps if applies]
 
     def _reload_tls(self) -> None:
         if self._server is None or not self.settings.serving.tls_cert:
@@ -468,6 +489,24 @@ class Node:
         """Stop everything started, in reverse: the exact final marks are written."""
         self.lifecycle.stopped()
         self._cleanup.close()
+
+
+NOTHING_TO_RELOAD = (
+    "SIGHUP: nothing to reload (no TLS certificate, ZooKeeper TLS, web configuration, "
+    "audit log or log file configured)"
+)
+
+
+def announce_reload(what: list[str], then: str = "", nothing: str = NOTHING_TO_RELOAD) -> None:
+    """Log the one line that says a SIGHUP was received and what it reloads (``what``,
+    in order), or ``nothing`` when there is nothing to reload; ``then``: what else it
+    does, added after a semicolon (the supervisor passing it on)."""
+    line = f"SIGHUP: reloading {_listed(what)}" if what else nothing
+    log.info("%s%s", line, f"; {then}" if then else "", extra={"reloading": what})
+
+
+def _listed(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def reload_step(what: str, step: Callable[[], object]) -> bool:
@@ -579,9 +618,7 @@ def serve(
         if tell:
             notifier.reloading()
         try:
-            if log_file is not None:
-                reload_step("the log file", log_file.reopen)
-            node.reload()
+            node.reload(log_file)
         finally:
             if tell:
                 notifier.reloaded("serving")

@@ -75,7 +75,7 @@ from .child import (
     poll_children,
     process_state,
 )
-from .node import reload_admin, reload_step
+from .node import announce_reload, reload_admin, reload_step
 from .node_id import WorkerIdOrigin, configured_origin
 from .notify import Notifier
 from .ready import ready_line
@@ -381,23 +381,44 @@ class Supervisor(Collector):
 
     def reload(self) -> None:
         """What SIGHUP does: reopen the log file, reload the admin endpoint's web
-        configuration, and pass SIGHUP to every process."""
+        configuration, and pass SIGHUP to every process. One line says what the
+        supervisor reloaded (or that it had nothing to) and to how many processes it
+        passed SIGHUP; each process then logs its own."""
         # Each step whatever the others met: the processes get their SIGHUP even when the
         # supervisor's own files do not reload.
         if self._log_file is not None:
             reload_step("the log file", self._log_file.reopen)
+        web_config = self._admin is not None and bool(self._settings.admin.web_config_file)
         if self._admin is not None:
             reload_admin(self._admin, self._settings.admin.web_config_file)
-        reload_step("the processes (SIGHUP)", lambda: self._signal_children(signal.SIGHUP))
+        passed = 0
 
-    def _signal_children(self, signum: signal.Signals) -> None:
+        def pass_on() -> None:
+            nonlocal passed
+            passed = self._signal_children(signal.SIGHUP)
+
+        reload_step("the processes (SIGHUP)", pass_on)
+        reloaded = ["the log file"] if self._log_file is not None else []
+        reloaded += ["the admin endpoint's web configuration"] if web_config else []
+        announce_reload(
+            reloaded,
+            f"passed SIGHUP on to {passed} processes",
+            nothing="SIGHUP: nothing to reload in the supervisor (no log file or web "
+            "configuration configured)",
+        )
+
+    def _signal_children(self, signum: signal.Signals) -> int:
+        """Send ``signum`` to every process running; how many were sent it."""
         # On the signal thread, while the main thread may reap a child (and clear its
         # process): one look at each.
+        sent = 0
         for child in self._children:
             process = child.process
             if process is not None and process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     process.send_signal(signum)
+                    sent += 1
+        return sent
 
     def _scrape(self) -> None:
         while not self._stop.wait(_METRICS_EVERY_S):

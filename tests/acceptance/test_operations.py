@@ -126,6 +126,62 @@ def test_sighup_reopens_the_audit_trail_and_the_log_file(tmp_path: Path) -> None
     assert decompose(after[0]).timestamp_ms >= decompose(before[-1]).timestamp_ms
 
 
+NOTHING = (
+    "SIGHUP: nothing to reload (no TLS certificate, ZooKeeper TLS, web configuration, "
+    "audit log or log file configured)"
+)
+"""Written out, not imported: the test pins the words an operator reads."""
+
+
+def sighup_lines(log: str) -> list[str]:
+    return [line.split(": ", 1)[1] for line in log.splitlines() if ": SIGHUP: " in line]
+
+
+def test_sighup_with_nothing_configured_says_there_is_nothing_to_reload() -> None:
+    """Before, such a SIGHUP logged nothing: the operator could not tell it was seen."""
+    server = start_server()
+    try:
+        server.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: sighup_lines(server.log()), "the SIGHUP's line")
+        assert sighup_lines(server.log()) == [NOTHING]
+        assert server.raw_client().get_id("after") > 0
+    finally:
+        assert server.stop() == 0
+
+
+def test_sighup_names_what_it_reloads_first(tmp_path: Path) -> None:
+    """One line, before the steps' own, names every step that applies: here the log
+    file (the line is in the new file), the API's certificate and the audit log."""
+    ca, pem = trustme.CA(), tmp_path / "server.pem"
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(pem))
+    log = tmp_path / "server.log"
+    args = ("--tls-cert", str(pem), "--audit-log", str(tmp_path / "audit.jsonl"))
+    server = start_server(*args, "--log-file", str(log))
+    try:
+        log.rename(tmp_path / "server.log.1")
+        server.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: log.exists() and "reopened the audit log" in log.read_text(), "the end")
+        assert sighup_lines(log.read_text())[:1] == [
+            "SIGHUP: reloading the log file, the API's TLS certificate and the audit log"
+        ]
+    finally:
+        assert server.stop() == 0
+
+
+def test_the_supervisor_says_it_passed_sighup_on_and_each_process_says_its_own() -> None:
+    server = start_server("--processes", "2")
+    try:
+        server.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: len(sighup_lines(server.log())) == 3, "three SIGHUP lines")
+        supervisor = (
+            "SIGHUP: nothing to reload in the supervisor (no log file or web configuration "
+            "configured); passed SIGHUP on to 2 processes"
+        )
+        assert sorted(sighup_lines(server.log())) == sorted([supervisor, NOTHING, NOTHING])
+    finally:
+        assert server.stop() == 0
+
+
 @pytest.mark.parametrize("command", ["snowflake-server", "snowflake"])
 def test_both_commands_say_their_version(command: str) -> None:
     script = Path(sys.executable).parent / command
