@@ -39,7 +39,7 @@ THRIFT    ?= thrift
 IDL       := idl/snowflake.thrift
 CLIENTS   ?= clients
 
-.PHONY: install system-deps stubs node-deps run check test test-fast coverage bench clean soak \
+.PHONY: install lock system-deps stubs node-deps run check test test-fast coverage bench clean soak \
 	prometheus-tools \
 	bench-deps bench-build bench-loadgen bench-anchors
 
@@ -58,6 +58,24 @@ $(VENV)/.installed: pyproject.toml setup.py clients/python/pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	$(BIN)/python -m pip install -q -e './clients/python[zookeeper]'
 	touch $@
+
+# --- lock files (issue 26, dist part) --------------------------------------------------------
+# make lock: requirements/runtime.txt and dev.txt, each third-party distribution pinned with
+# the hashes of its files on PyPI, resolved for this Python (3.11, Debian 12's), from the
+# ranges the projects declare: requirements/lock_inputs.py writes the .in files from them
+# (tests/deploy/test_dist.py fails when they drift). Against PyPI alone: this machine's pip
+# configuration (a local index, find-links) would put its files' hashes in the lock.
+# --allow-unsafe: pip and setuptools are pinned too, or --require-hashes refuses them.
+LOCK_ARGS ?=
+PIP_COMPILE = env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL -u PIP_CONSTRAINT \
+	PIP_CONFIG_FILE=/dev/null $(abspath $(BIN))/pip-compile --quiet --generate-hashes \
+	--strip-extras --allow-unsafe --no-emit-index-url --no-emit-find-links \
+	--index-url https://pypi.org/simple $(LOCK_ARGS)
+
+lock: $(VENV)/.installed
+	$(BIN)/python requirements/lock_inputs.py
+	cd requirements && $(PIP_COMPILE) --output-file runtime.txt runtime.in
+	cd requirements && $(PIP_COMPILE) --output-file dev.txt dev.in
 
 # The services a package enables when installed (podman: its socket, timer and services;
 # systemd itself, where it was missing: a getty) are disabled at once, and stopped where
