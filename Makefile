@@ -40,7 +40,7 @@ THRIFT    ?= thrift
 IDL       := idl/snowflake.thrift
 CLIENTS   ?= clients
 
-.PHONY: install lock system-deps stubs node-deps run check test test-fast coverage bench clean soak \
+.PHONY: install lock dist system-deps stubs node-deps run check test test-fast coverage bench clean soak \
 	prometheus-tools \
 	bench-deps bench-build bench-loadgen bench-anchors
 
@@ -98,6 +98,26 @@ lock: $(VENV)/.installed
 	$(BIN)/python requirements/lock_inputs.py
 	cd requirements && $(PIP_COMPILE) --output-file runtime.txt runtime.in
 	cd requirements && $(PIP_COMPILE) --output-file dev.txt dev.in
+
+# --- release artifacts (issue 26, dist part) ---------------------------------------------------
+# make dist: the sdist and wheel of both distributions (python -m build: the wheel is built
+# from the sdist, so nothing the tree's build/ holds gets in), checked by twine and by
+# deploy/release/check_dist.py (each wheel holds exactly its package's files), and
+# $(DIST)/wheelhouse: the locked third-party wheels (pip wheel: PyPI's wheels, checked
+# against the lock's hashes; pure-sasl has only an sdist there, hashed too, which is built
+# into a wheel with the locked setuptools), so that the artifacts install with
+# --no-index --find-links $(DIST) --find-links $(DIST)/wheelhouse. --no-isolation: built
+# with the locked setuptools in .venv. DIST: where (tests build into a temp dir).
+DIST ?= dist
+
+dist: $(VENV)/.installed
+	rm -rf $(DIST)/*.whl $(DIST)/*.tar.gz $(DIST)/wheelhouse
+	$(BIN)/python -m build --no-isolation --outdir $(DIST) .
+	$(BIN)/python -m build --no-isolation --outdir $(DIST) clients/python
+	$(BIN)/twine check --strict $(DIST)/*.whl $(DIST)/*.tar.gz
+	$(BIN)/python deploy/release/check_dist.py $(DIST)
+	$(BIN)/python -m pip wheel -q --require-hashes --no-build-isolation \
+	  -w $(DIST)/wheelhouse -r $(RUNTIME_LOCK)
 
 # The services a package enables when installed (podman: its socket, timer and services;
 # systemd itself, where it was missing: a getty) are disabled at once, and stopped where
@@ -282,7 +302,7 @@ soak: install
 	$(BIN)/python bench/soak.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build *.egg-info \
+	rm -rf $(VENV) $(DIST) .mypy_cache .pytest_cache .ruff_cache .hypothesis build *.egg-info \
 	  .coverage .coverage.* clients/python/build clients/python/*.egg-info \
 	  clients/*/gen-* clients/go/thrift-debian clients/go/bin clients/java/build \
 	  clients/node/node_modules bench/build $(TOOLS)
