@@ -1,5 +1,6 @@
-# make run       : install everything, then start a server on its defaults (127.0.0.1:7609)
-# make test      : install everything (Python deps in .venv, Debian packages the tests need),
+# make run       : install the server's runtime only (locked, hashed), then start a server on
+#                  its defaults (127.0.0.1:7609)
+# make test      : install everything (locked Python deps in .venv, Debian packages the tests need),
 #                  lint and type-check, run the whole suite measuring coverage across the
 #                  processes it starts, and fail below the coverage floors
 # make test-fast : the in-process tiers (tests/server, serving, http, client, docs) without
@@ -39,25 +40,64 @@ THRIFT    ?= thrift
 IDL       := idl/snowflake.thrift
 CLIENTS   ?= clients
 
-.PHONY: install system-deps stubs node-deps run check test test-fast coverage bench clean soak \
+.PHONY: install lock system-deps stubs node-deps run check test test-fast coverage bench clean soak \
 	prometheus-tools \
 	bench-deps bench-build bench-loadgen bench-anchors
 
-# The server requires the client of this tree by its path (setup.py: no index is asked for
-# our names), which pip builds and installs; the editable client replaces it after. Not in
-# one command: pip finds that an editable client does not meet a requirement on its path.
+# --- install and run (issue 26, dist part) ----------------------------------------------------
+# make run installs what the server runs on (requirements/runtime.txt); make install and
+# make test add the tests' and tools' (requirements/dev.txt) to the same .venv. Only
+# locked files, each checked against its hash; then our two distributions from this tree,
+# editable and with --no-deps (the lock has their dependencies; setup.py's requirement on
+# the client's path is not followed). --no-build-isolation: they build with the locked
+# setuptools already in .venv, not with one an isolated build would fetch unhashed.
+RUNTIME_LOCK := requirements/runtime.txt
+DEV_LOCK     := requirements/dev.txt
+PIP_LOCKED   := $(BIN)/python -m pip install -q --require-hashes
+RUN_ARGS     ?=
+
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml setup.py clients/python/pyproject.toml
+$(VENV)/.venv-made:
 	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { \
 	  echo "python3 -m venv failed: installing python3-venv"; \
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq python3-venv && \
 	  $(PYTHON) -m venv $(VENV); }
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
-	$(BIN)/python -m pip install -q -e './clients/python[zookeeper]'
 	touch $@
+
+$(VENV)/.runtime: $(RUNTIME_LOCK) pyproject.toml setup.py clients/python/pyproject.toml \
+		| $(VENV)/.venv-made
+	$(PIP_LOCKED) -r $(RUNTIME_LOCK)
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e . -e ./clients/python
+	touch $@
+
+$(VENV)/.installed: $(DEV_LOCK) $(VENV)/.runtime
+	$(PIP_LOCKED) -r $(DEV_LOCK)
+	touch $@
+
+# By its absolute path, so that the process is recognisable in a process listing.
+# RUN_ARGS: the server's flags (make run RUN_ARGS='--port 7610').
+run: $(VENV)/.runtime
+	$(abspath $(BIN))/snowflake-server $(RUN_ARGS)
+
+# --- lock files (issue 26, dist part) --------------------------------------------------------
+# make lock: requirements/runtime.txt and dev.txt, each third-party distribution pinned with
+# the hashes of its files on PyPI, resolved for this Python (3.11, Debian 12's), from the
+# ranges the projects declare: requirements/lock_inputs.py writes the .in files from them
+# (tests/deploy/test_dist.py fails when they drift). Against PyPI alone: this machine's pip
+# configuration (a local index, find-links) would put its files' hashes in the lock.
+# --allow-unsafe: pip and setuptools are pinned too, or --require-hashes refuses them.
+LOCK_ARGS ?=
+PIP_COMPILE = env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL -u PIP_CONSTRAINT \
+	PIP_CONFIG_FILE=/dev/null $(abspath $(BIN))/pip-compile --quiet --generate-hashes \
+	--strip-extras --allow-unsafe --no-emit-index-url --no-emit-find-links \
+	--index-url https://pypi.org/simple $(LOCK_ARGS)
+
+lock: $(VENV)/.installed
+	$(BIN)/python requirements/lock_inputs.py
+	cd requirements && $(PIP_COMPILE) --output-file runtime.txt runtime.in
+	cd requirements && $(PIP_COMPILE) --output-file dev.txt dev.in
 
 # The services a package enables when installed (podman: its socket, timer and services;
 # systemd itself, where it was missing: a getty) are disabled at once, and stopped where
@@ -110,10 +150,6 @@ node-deps: clients/node/node_modules/.package-lock.json
 clients/node/node_modules/.package-lock.json: clients/node/package.json clients/node/package-lock.json | system-deps
 	cd clients/node && npm ci --no-audit --no-fund
 	touch $@
-
-# By its absolute path, so that the process is recognisable in a process listing.
-run: install
-	$(abspath $(BIN))/snowflake-server
 
 check: install
 	$(BIN)/ruff check .
