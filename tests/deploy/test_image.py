@@ -30,6 +30,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -228,6 +229,7 @@ def _build_args() -> dict[str, str]:
         "VERSION": (REPO / "VERSION").read_text().strip(),
         "REVISION": _git("rev-parse", "HEAD"),
         "CREATED": _git("log", "-1", "--format=%cI"),
+        "SOURCE_DATE_EPOCH": _git("log", "-1", "--format=%ct"),
     }
 
 
@@ -402,6 +404,9 @@ def test_venv_holds_the_locked_packages_and_the_sbom_lists_them(image: Image) ->
     sbom = json.loads(sbom_path.read_text())
     assert (sbom["bomFormat"], sbom["specVersion"]) == ("CycloneDX", "1.6")
     assert "serialNumber" not in sbom, "--output-reproducible: no random serial number"
+    # Its time is SOURCE_DATE_EPOCH's: the commit's, as the created label's.
+    created = datetime.fromisoformat(image.labels["org.opencontainers.image.created"])
+    assert datetime.fromisoformat(sbom["metadata"]["timestamp"]) == created
     components = [(_canonical(c["name"]), c["version"]) for c in sbom["components"]]
     assert len(components) == len(set(components))
     assert dict(components) == installed
