@@ -122,6 +122,13 @@ dist: $(VENV)/.installed
 	$(BIN)/python -m pip wheel -q --require-hashes --no-build-isolation \
 	  -w $(DIST)/wheelhouse -r $(RUNTIME_LOCK)
 
+# --- image build tools lock (issue 26, image part) -------------------------------------------
+# make image-lock: deploy/docker/build-tools.txt, the tools of the image's build stage only
+# (setuptools for our wheels, cyclonedx-bom for its SBOM), locked as `make lock` does.
+.PHONY: image-lock
+image-lock: $(VENV)/.installed
+	cd deploy/docker && $(PIP_COMPILE) --output-file build-tools.txt build-tools.in
+
 # The services a package enables when installed (podman: its socket, timer and services;
 # systemd itself, where it was missing: a getty) are disabled at once, and stopped where
 # systemd runs: the test suite must leave no service behind. Only units that the install

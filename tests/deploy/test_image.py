@@ -1,30 +1,36 @@
 """The container image of deploy/docker/Dockerfile, built and run on this machine.
 
 No container runtime can start a container here, so the test does what one would:
-debootstrap makes a Debian base (cached in ``.tools/``), podman builds the image on it
-(chroot isolation, its storage in the test's temporary folder), and the server runs from
-the image's root file system under chroot, as the image's user, with the image's
-environment, in mount and PID namespaces of its own: PID 1 as in a container, the root
-read only and the state directory a separate mount, as Kubernetes runs it
-(readOnlyRootFilesystem and a persistent volume).
+debootstrap makes a Debian base (cached in ``.tools/``; its packages and their versions
+must be the recorded ones of ``image_base_packages.txt``), podman builds the image on it by
+the base's digest, as the Dockerfile names debian:bookworm-slim (chroot isolation, its
+storage in the test's temporary folder), and the server runs from the image's root file
+system under chroot, as the image's user, with the image's environment, in mount and PID
+namespaces of its own: PID 1 as in a container, the root read only and the state directory
+a separate mount, as Kubernetes runs it (readOnlyRootFilesystem and a persistent volume).
+A second build without podman's cache must install the same files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import re
 import selectors
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
+import tomllib
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,6 +41,7 @@ from snowflake_server import ServerSettings
 from snowflake_server._app.ready import ReadyLine, parse_ready_line
 from snowflake_server._config.options import OPTIONS
 from tests.support.waiting import wait_until
+from tests.support.zookeeper import ZooKeeper
 
 pytestmark = [
     pytest.mark.slow,
@@ -43,6 +50,12 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[2]
+# The packages (name=version) of the debootstrapped base this test was last run on.
+# snapshot.debian.org is out of this machine's reach, so the base cannot be debootstrapped
+# from a fixed point in Debian's history: instead a base that differs from the record (a
+# Debian point release or security update since) fails the test, and is recorded again
+# (after a look at what changed) with SNOWFLAKE_RECORD_IMAGE_BASE=1.
+BASE_PACKAGES = Path(__file__).with_name("image_base_packages.txt")
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
 IGNOREFILE = REPO / "deploy" / "docker" / "Dockerfile.dockerignore"
 SUITE = "bookworm"
@@ -68,6 +81,13 @@ HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 PODMAN_SYSTEM_CACHE = Path("/var/lib/containers")
 BASE_REF = f"localhost/snowflake-test-base:{SUITE}"
 IMAGE_REF = "localhost/snowflake-server:test"
+AGAIN_REF = "localhost/snowflake-server:again"
+# Where the Dockerfile's build stage writes the SBOM (CycloneDX) of the image's venv.
+SBOM = "opt/snowflake/sbom.cdx.json"
+SITE_PACKAGES = "opt/snowflake/lib/python3.11/site-packages"
+RUNTIME_LOCK = REPO / "requirements" / "runtime.txt"
+# The project's home, until pyproject's [project.urls] names it (then that is the truth).
+PROJECT_HOME = "https://github.com/snowflake-id/snowflake"
 # The image's own layer: Python, the venv and the user on top of the base. A compiler or
 # pip's caches left behind would be tens of MB more.
 MAX_ADDED_MB = 120
@@ -123,6 +143,33 @@ def _base_tarball() -> Path:
     return tarball
 
 
+def _base_packages(tarball: Path) -> list[str]:
+    """The installed packages of a base tarball, ``name=version`` sorted, from dpkg's
+    status file."""
+    status = _run(["tar", "-xOf", str(tarball), "./var/lib/dpkg/status"], timeout_s=60)
+    packages = []
+    for stanza in status.split("\n\n"):
+        fields = dict(re.findall(r"^([A-Za-z-]+): (.*)$", stanza, re.MULTILINE))
+        if fields.get("Status", "").endswith(" installed"):
+            packages.append(f"{fields['Package']}={fields['Version']}")
+    return sorted(packages)
+
+
+def _check_base(tarball: Path) -> None:
+    """The base is the recorded one (see BASE_PACKAGES), or the test stops here."""
+    packages = _base_packages(tarball)
+    if os.environ.get("SNOWFLAKE_RECORD_IMAGE_BASE") == "1":
+        BASE_PACKAGES.write_text("".join(f"{line}\n" for line in packages))
+    recorded = BASE_PACKAGES.read_text().split()
+    gone, new = sorted(set(recorded) - set(packages)), sorted(set(packages) - set(recorded))
+    assert not gone and not new, (
+        f"the base {tarball} is not the recorded one ({BASE_PACKAGES.name}):\n"
+        f"recorded, not in the base: {gone}\nin the base, not recorded: {new}\n"
+        "Debian has moved on: check the changes, then record the new base with "
+        "SNOWFLAKE_RECORD_IMAGE_BASE=1 (or remove the tarball to debootstrap again)."
+    )
+
+
 class Podman:
     """podman with every bit of its state under ``home``: storage (vfs: plain
     directories, no mounts), libpod's and the build's temporary files; its run-time
@@ -166,10 +213,57 @@ class Image:
         uid, _, gid = self.config["User"].partition(":")
         return int(uid), int(gid)
 
+    @property
+    def labels(self) -> dict[str, str]:
+        labels: dict[str, str] = self.config.get("Labels") or {}
+        return labels
+
+
+def _git(*args: str) -> str:
+    return _run(["git", "-C", str(REPO), *args], timeout_s=30).strip()
+
+
+def _build_args() -> dict[str, str]:
+    """What the release workflow passes: the VERSION file, the commit and its time."""
+    return {
+        "VERSION": (REPO / "VERSION").read_text().strip(),
+        "REVISION": _git("rev-parse", "HEAD"),
+        "CREATED": _git("log", "-1", "--format=%cI"),
+        "SOURCE_DATE_EPOCH": _git("log", "-1", "--format=%ct"),
+    }
+
+
+@dataclass
+class Builder:
+    """podman, with the base loaded and known by its digest, building the image from
+    the working tree as the release workflow does."""
+
+    podman: Podman
+    base_ref: str  # BASE_REF@sha256:...
+
+    def build(self, tag: str, log_name: str) -> Image:
+        build = ["build", "--isolation=chroot", "--format=docker", "--pull=never",
+                 # One layer per stage: each commit copies the whole tree on vfs. No
+                 # cache: each build starts from the base, as a release's does.
+                 "--layers=false", "--no-cache",
+                 "--file", str(DOCKERFILE), "--ignorefile", str(IGNOREFILE),
+                 "--build-arg", f"BASE={self.base_ref}", "--tag", tag]  # fmt: skip
+        for name, value in _build_args().items():
+            build += ["--build-arg", f"{name}={value}"]
+        if HOST_CA_BUNDLE.exists():
+            # pip trusts what this host trusts: a network that re-signs TLS has its CA here.
+            build += ["--volume", f"{HOST_CA_BUNDLE}:/run/pip-ca.pem:ro",
+                      "--build-arg", "PIP_CERT=/run/pip-ca.pem"]  # fmt: skip
+        self.podman(*build, str(REPO), timeout_s=600, log=self.podman.home / log_name)
+        (inspect,) = json.loads(self.podman("image", "inspect", tag))
+        (base,) = json.loads(self.podman("image", "inspect", self.base_ref))
+        root = Path(self.podman("image", "mount", tag).strip())
+        return Image(inspect, root, int(inspect["Size"]) - int(base["Size"]))
+
 
 @pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
-    """The image built from the working tree on a debootstrapped base."""
+def builder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Builder]:
+    """podman with the recorded debootstrapped base loaded, named by its digest."""
     if os.geteuid() != 0:
         pytest.skip("needs root: debootstrap, podman's storage, chroot and mounts")
     private = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True)
@@ -177,30 +271,19 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
         # Inside a chroot / is not a mount point, so unshare cannot make the mounts
         # private from it (EINVAL): no mount namespace to build or run the image in.
         pytest.skip(f"needs a private mount namespace: {private.stderr.strip()}")
-    for tool in ("podman", "debootstrap", "unshare", "chroot"):
+    for tool in ("podman", "debootstrap", "unshare", "chroot", "git"):
         assert shutil.which(tool), f"{tool} is missing (`make system-deps` installs it)"
+    tarball = _base_tarball()
+    _check_base(tarball)
     system_cache_existed = PODMAN_SYSTEM_CACHE.exists()
     home = tmp_path_factory.mktemp("podman")
     run = Path(tempfile.mkdtemp(prefix="sf-podman-", dir="/tmp"))
     podman = Podman(home, run)
     try:
-        podman("import", str(_base_tarball()), BASE_REF, timeout_s=300)
-        build = ["build", "--isolation=chroot", "--format=docker", "--pull=never",
-                 # One layer per stage: each commit copies the whole tree on vfs.
-                 "--layers=false", "--file", str(DOCKERFILE), "--ignorefile", str(IGNOREFILE),
-                 "--build-arg", f"BASE={BASE_REF}", "--tag", IMAGE_REF]  # fmt: skip
-        if HOST_CA_BUNDLE.exists():
-            # pip trusts what this host trusts: a network that re-signs TLS has its CA here.
-            build += ["--volume", f"{HOST_CA_BUNDLE}:/run/pip-ca.pem:ro",
-                      "--build-arg", "PIP_CERT=/run/pip-ca.pem"]  # fmt: skip
-        podman(*build, str(REPO), timeout_s=600, log=home / "build.log")
-        (inspect,) = json.loads(podman("image", "inspect", IMAGE_REF))
-        (base,) = json.loads(podman("image", "inspect", BASE_REF))
-        root = Path(podman("image", "mount", IMAGE_REF).strip())
-        try:
-            yield Image(inspect, root, int(inspect["Size"]) - int(base["Size"]))
-        finally:
-            podman("image", "unmount", IMAGE_REF)
+        podman("import", str(tarball), BASE_REF, timeout_s=300)
+        digest = podman("image", "inspect", "--format", "{{.Digest}}", BASE_REF).strip()
+        assert re.fullmatch(r"sha256:[0-9a-f]{64}", digest), digest
+        yield Builder(podman, f"{BASE_REF.rpartition(':')[0]}@{digest}")
     finally:
         with Path("/proc/self/mountinfo").open() as mounts:
             left = [line for line in mounts if str(home) in line]
@@ -209,6 +292,16 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Image]:
         if not system_cache_existed:
             shutil.rmtree(PODMAN_SYSTEM_CACHE, ignore_errors=True)
         assert not left, f"mounts left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def image(builder: Builder) -> Iterator[Image]:
+    """The image built from the working tree on the debootstrapped base."""
+    image = builder.build(IMAGE_REF, "build.log")
+    try:
+        yield image
+    finally:
+        builder.podman("image", "unmount", IMAGE_REF)
 
 
 def test_image_config(image: Image) -> None:
@@ -231,7 +324,8 @@ def test_image_config(image: Image) -> None:
 
     health = image.inspect["Healthcheck"]
     assert health["Test"][0] == "CMD", "exec form: the image has no need of a shell for it"
-    assert "/readyz" in " ".join(health["Test"])
+    # Liveness, not readiness: see test_zookeeper_outage_leaves_the_container_healthy.
+    assert "/livez" in " ".join(health["Test"]) and "/readyz" not in " ".join(health["Test"])
     assert 0 < health["Timeout"] < health["Interval"]
 
     env = image.env
@@ -254,6 +348,104 @@ def test_image_is_small_and_has_no_build_tools(image: Image) -> None:
         assert not (image.root / path).exists(), path
     assert not any((image.root / "var/lib/apt/lists").glob("*_Packages"))
     assert (image.root / "opt/snowflake/bin/snowflake-server").is_file()
+
+
+def test_image_labels(image: Image) -> None:
+    """The OCI labels say which release, commit and source the image is, and its
+    licence: from the VERSION file, git and pyproject, as the release workflow passes them."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    expected = {
+        "org.opencontainers.image.version": (REPO / "VERSION").read_text().strip(),
+        "org.opencontainers.image.revision": _git("rev-parse", "HEAD"),
+        "org.opencontainers.image.created": _git("log", "-1", "--format=%cI"),
+        "org.opencontainers.image.source": project.get("urls", {}).get("Source", PROJECT_HOME),
+        "org.opencontainers.image.licenses": project["license"],
+        "org.opencontainers.image.title": project["name"],
+    }
+    labels = image.labels
+    assert {name: labels.get(name) for name in expected} == expected
+    assert labels.get("org.opencontainers.image.description")
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _venv_distributions(root: Path) -> dict[str, str]:
+    """{canonical name: version} of every distribution installed in the image's venv."""
+    found = {}
+    for info in (root / SITE_PACKAGES).glob("*.dist-info"):
+        metadata = (info / "METADATA").read_text(errors="replace")
+        name = re.search(r"^Name: *(\S+)", metadata, re.MULTILINE)
+        version = re.search(r"^Version: *(\S+)", metadata, re.MULTILINE)
+        assert name and version, info
+        found[_canonical(name[1])] = version[1]
+    return found
+
+
+def _locked(lock: Path) -> dict[str, str]:
+    """{canonical name: version} of a pip-compile lock's pins."""
+    pins = re.findall(r"^([A-Za-z0-9._-]+)==(\S+)", lock.read_text(), re.MULTILINE)
+    return {_canonical(name): version for name, version in pins}
+
+
+def test_venv_holds_the_locked_packages_and_the_sbom_lists_them(image: Image) -> None:
+    """The venv holds exactly the lock's third-party packages at the locked versions and
+    our two distributions at VERSION; the SBOM (CycloneDX) lists exactly that."""
+    installed = _venv_distributions(image.root)
+    version = (REPO / "VERSION").read_text().strip()
+    ours = {"snowflake-server": version, "snowflake-thrift-client": version}
+    # setuptools is locked to build ours (make run's editable install); the image builds
+    # its wheels in the build stage, and leaves setuptools (and pip) out.
+    locked = {name: v for name, v in _locked(RUNTIME_LOCK).items() if name != "setuptools"}
+    assert installed == {**locked, **ours}, "pip, setuptools or a build tool left in?"
+
+    sbom_path = image.root / SBOM
+    sbom = json.loads(sbom_path.read_text())
+    assert (sbom["bomFormat"], sbom["specVersion"]) == ("CycloneDX", "1.6")
+    assert "serialNumber" not in sbom, "--output-reproducible: no random serial number"
+    # Its time is SOURCE_DATE_EPOCH's: the commit's, as the created label's.
+    created = datetime.fromisoformat(image.labels["org.opencontainers.image.created"])
+    assert datetime.fromisoformat(sbom["metadata"]["timestamp"]) == created
+    components = [(_canonical(c["name"]), c["version"]) for c in sbom["components"]]
+    assert len(components) == len(set(components))
+    assert dict(components) == installed
+
+
+def _tree(root: Path, top: str = "opt/snowflake") -> dict[str, str]:
+    """Every file, link and directory under ``top``: its content's sha256, its link's
+    target, or "dir"."""
+    entries = {}
+    for directory, dirs, files in os.walk(root / top):
+        for name in [*dirs, *files]:
+            path = Path(directory, name)
+            key = str(path.relative_to(root))
+            if path.is_symlink():
+                entries[key] = f"-> {os.readlink(path)}"
+            elif path.is_dir():
+                entries[key] = "dir"
+            else:
+                entries[key] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return entries
+
+
+def test_two_builds_install_the_same_files(builder: Builder, image: Image) -> None:
+    """Built again from the same inputs, without podman's cache: the same packages at the
+    same versions, every file of /opt/snowflake the same, bytecode included (the build
+    sets SOURCE_DATE_EPOCH: without it each .pyc holds its source's install time)."""
+    first = _tree(image.root)
+    again = builder.build(AGAIN_REF, "build-again.log")
+    try:
+        second = _tree(again.root)
+        assert _venv_distributions(again.root) == _venv_distributions(image.root)
+    finally:
+        builder.podman("image", "unmount", AGAIN_REF)
+        builder.podman("rmi", AGAIN_REF)
+    differ = sorted(
+        key for key in first.keys() | second.keys() if first.get(key) != second.get(key)
+    )
+    assert not differ, f"{len(differ)} of {len(first)} differ: {differ[:20]}"
+    assert any(key.endswith(".pyc") for key in first), "the bytecode is compared too"
 
 
 # Run from a private mount namespace, as PID 1 of a new PID namespace: the root read only
@@ -279,14 +471,16 @@ exec chroot --userspec="$userspec" "$root" "$@"
 class Container:
     """``snowflake-server`` running from the image, started by :meth:`start`."""
 
-    def __init__(self, image: Image, state: Path, env: Mapping[str, str]) -> None:
+    def __init__(
+        self, image: Image, state: Path, env: Mapping[str, str], args: Sequence[str] = ()
+    ) -> None:
         uid, gid = image.user
         self.image = image
         self.env = {**image.env, **env}
         self.command = [
             "unshare", "--mount", "--pid", "--fork", "--kill-child", "--",
             "sh", "-c", _CONTAINER, "container", str(image.root), str(state), f"{uid}:{gid}",
-            *image.config["Entrypoint"],
+            *image.config["Entrypoint"], *args,
         ]  # fmt: skip
         self.stderr: IO[str] = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by kill()
         self.process: subprocess.Popen[str] | None = None
@@ -399,7 +593,8 @@ def test_server_runs_from_the_image(
     image: Image, volume: Path, container_env: dict[str, str]
 ) -> None:
     """As the image's user, read-only root, state in the volume: serves ids, is ready,
-    passes its HEALTHCHECK, fails it while draining after SIGTERM, exits 0; a second
+    passes its HEALTHCHECK, still passes it while draining after SIGTERM (not ready, but
+    alive), fails it once exited 0; a second
     start on the same volume finds the high-water mark and goes on above the first's ids."""
     container = Container(image, volume, container_env)
     try:
@@ -421,8 +616,10 @@ def test_server_runs_from_the_image(
         assert status["NSpid"].split()[-1] == "1", "PID 1 of its namespace, as in a container"
 
         container.terminate()
-        wait_until(lambda: container.healthcheck(ready.metrics[1]) != 0,
-                   "the HEALTHCHECK failing (/readyz 503) after SIGTERM")  # fmt: skip
+        wait_until(lambda: _http_get(ready.metrics, "/readyz")[0] == 503,
+                   "/readyz 503 after SIGTERM (draining)")  # fmt: skip
+        # Draining is no ill health: a runtime must not kill it for that.
+        assert container.healthcheck(ready.metrics[1]) == 0
         # Still draining: ids are still served (SNOWFLAKE_DRAIN_SECONDS).
         with SnowflakeClient(*ready.thrift, agent="image-test") as client:
             issued.append(client.next_id())
@@ -450,3 +647,39 @@ def test_server_runs_from_the_image(
         assert again.wait() == 0, again.log()
     finally:
         again.kill()
+
+
+def test_zookeeper_outage_leaves_the_container_healthy(
+    image: Image, volume: Path, container_env: dict[str, str], zookeeper: ZooKeeper
+) -> None:
+    """A cluster node that loses ZooKeeper is not ready (/readyz 503) but alive: its
+    HEALTHCHECK passes, so a runtime does not restart it (that would only lose its worker
+    id); it is ready again once ZooKeeper is back. ZooKeeper is this module's own."""
+    flags = zookeeper.node_flags(f"/image-test-{uuid.uuid4().hex[:8]}")
+    container = Container(image, volume, {**container_env, "SNOWFLAKE_DRAIN_SECONDS": "0"},
+                          args=flags)  # fmt: skip
+    try:
+        ready = container.start()
+        assert _http_get(ready.metrics, "/readyz")[0] == 200
+        assert container.healthcheck(ready.metrics[1]) == 0
+        zookeeper.stop()
+        wait_until(lambda: _http_get(ready.metrics, "/readyz")[0] == 503,
+                   "/readyz 503 with ZooKeeper gone")  # fmt: skip
+        assert container.healthcheck(ready.metrics[1]) == 0, container.log()
+        zookeeper.start()
+        wait_until(lambda: _http_get(ready.metrics, "/readyz")[0] == 200,
+                   "/readyz 200 with ZooKeeper back", timeout_s=30)  # fmt: skip
+        container.terminate()
+        assert container.wait() == 0, container.log()
+    finally:
+        container.kill()
+
+
+def test_build_tools_lock_agrees_with_the_dev_lock() -> None:
+    """deploy/docker/build-tools.txt pins what requirements/dev.txt also pins at the same
+    versions: `make image-lock` after `make lock`, or one of them is stale."""
+    tools = _locked(REPO / "deploy" / "docker" / "build-tools.txt")
+    dev = _locked(REPO / "requirements" / "dev.txt")
+    stale = {name: (v, dev[name]) for name, v in tools.items() if name in dev and dev[name] != v}
+    assert not stale, f"build-tools.txt vs dev.txt: {stale}"
+    assert {"setuptools", "cyclonedx-bom"} <= tools.keys() & dev.keys()
