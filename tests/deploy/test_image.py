@@ -14,6 +14,7 @@ A second build without podman's cache must install the same files.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -223,8 +224,10 @@ def _git(*args: str) -> str:
     return _run(["git", "-C", str(REPO), *args], timeout_s=30).strip()
 
 
+@functools.cache
 def _build_args() -> dict[str, str]:
-    """What the release workflow passes: the VERSION file, the commit and its time."""
+    """What the release workflow passes: the VERSION file, the commit and its time (read
+    once: every build and check of the run agrees, even if a commit lands meanwhile)."""
     return {
         "VERSION": (REPO / "VERSION").read_text().strip(),
         "REVISION": _git("rev-parse", "HEAD"),
@@ -356,8 +359,8 @@ def test_image_labels(image: Image) -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     expected = {
         "org.opencontainers.image.version": (REPO / "VERSION").read_text().strip(),
-        "org.opencontainers.image.revision": _git("rev-parse", "HEAD"),
-        "org.opencontainers.image.created": _git("log", "-1", "--format=%cI"),
+        "org.opencontainers.image.revision": _build_args()["REVISION"],
+        "org.opencontainers.image.created": _build_args()["CREATED"],
         "org.opencontainers.image.source": project.get("urls", {}).get("Source", PROJECT_HOME),
         "org.opencontainers.image.licenses": project["license"],
         "org.opencontainers.image.title": project["name"],
