@@ -12,8 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -23,6 +21,7 @@ import pytest
 from snowflake_thrift_client import ConfigurationError, Layout, compose, decompose
 
 from snowflake_server._cli import main as snowflake
+from tests.support.commands import run, tool
 from tests.support.examples import SEED_003_JSON
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,22 +146,6 @@ def test_make_vectors_check_finds_a_stale_file_and_rewrites_it(
 # -- the JavaScript and Go helpers -------------------------------------------------------
 
 
-def tool(name: str, package: str) -> str:
-    path = shutil.which(name)
-    assert path, f"`{name}` is missing: `make test` installs it (Debian package {package})"
-    return path
-
-
-def run(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
-    done = subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, (
-        f"{command} failed ({done.returncode}):\n{done.stdout}{done.stderr}"
-    )
-    return done.stdout + done.stderr
-
-
 def counted(valid: int, invalid: int) -> list[str]:
     """What each helper's tests print once they checked every vector."""
     return [f"decode vectors: {valid} valid checked", f"decode vectors: {invalid} invalid checked"]
@@ -171,7 +154,7 @@ def counted(valid: int, invalid: int) -> list[str]:
 @pytest.mark.interop
 def test_the_node_helper_gives_every_vector() -> None:
     node = tool("node", "nodejs")
-    out = run([node, "decode.test.js"], cwd=ROOT / "clients" / "node")
+    out = run([node, "decode.test.js"], cwd=ROOT / "clients" / "node", stderr=True)
     for line in counted(len(VECTORS["valid"]), len(VECTORS["invalid"])):
         assert f"# {line}" in out, out
     assert "# fail 0" in out, out
@@ -185,7 +168,10 @@ def test_the_go_helper_gives_every_vector(tmp_path: Path) -> None:
     if not any(env.get(name) for name in ("GOCACHE", "XDG_CACHE_HOME", "HOME")):
         env["GOCACHE"] = str(tmp_path / "go-cache")
     out = run(
-        [go, "test", "-count=1", "-v", "./snowflakeid/"], cwd=ROOT / "clients" / "go", env=env
+        [go, "test", "-count=1", "-v", "./snowflakeid/"],
+        cwd=ROOT / "clients" / "go",
+        env=env,
+        stderr=True,
     )
     for line in counted(len(VECTORS["valid"]), len(VECTORS["invalid"])):
         assert line in out, out

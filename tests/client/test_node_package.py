@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.commands import run, tool
 from tests.support.processes import ServerProcess, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,22 +43,6 @@ INTENDED = {
     "gen-nodejs/Snowflake.js",
     "gen-nodejs/snowflake_types.js",
 }
-
-
-def tool(name: str, package: str) -> str:
-    path = shutil.which(name)
-    assert path, f"`{name}` is missing: `make test` installs it (Debian package {package})"
-    return path
-
-
-def run(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
-    done = subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, (
-        f"{command} failed ({done.returncode}):\n{done.stdout}{done.stderr}"
-    )
-    return done.stdout
 
 
 def test_the_package_version_is_the_one_version_file() -> None:
