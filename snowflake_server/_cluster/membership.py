@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import KazooException
+from kazoo.exceptions import KazooException, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.states import KeeperState
 from kazoo.retry import KazooRetry
@@ -70,7 +70,7 @@ from .lease import Lease
 from .peers import check_peers
 from .session import GrantedTimeout, watch_granted_timeout
 from .slot import WorkerSlot
-from .zk import check_tls_files, children, client_options, describe_zk_error, tls_hint
+from .zk import check_tls_files, client_options, describe_zk_error, tls_hint
 from .zkmarks import ZK_MARK_AHEAD_MS, MarkOfAnotherLayout, ZkMarkStore, restore_marks
 
 __all__ = ["Cluster", "OpenWorker", "advertised_address"]
@@ -181,6 +181,7 @@ class Cluster(Collector):
         # The worker ids of our datacenter registered when the peers were checked.
         self._registered_ids: frozenset[int] | None = None
         self._registrations_read_at = -math.inf
+        self._registrations_pending: Any = None  # kazoo's IAsyncResult of the read
         self._thread: threading.Thread | None = None
 
     @property
@@ -505,25 +506,30 @@ class Cluster(Collector):
 
     def _count_registrations(self) -> None:
         """Read the datacenter's registrations again for the free-worker-ids gauge, every
-        ``_REGISTRATIONS_EVERY_S`` (one read, after the heartbeat: never between the
-        layout read and it), so that nodes joining and leaving since the start show."""
+        ``_REGISTRATIONS_EVERY_S``, so that nodes joining and leaving since the start
+        show. Asked for after a heartbeat and taken at a later tick, never waited for: the
+        supervision thread's time belongs to the heartbeats (a slow ZooKeeper would
+        otherwise stretch the gap the gate is counted against)."""
         if self._registered_ids is None:
             return  # the peer checks were skipped: no gauge
-        now = self._now()
-        if now - self._registrations_read_at < _REGISTRATIONS_EVERY_S:
-            return
-        self._registrations_read_at = now
-        what = f"reading the registrations in {self._nodes}"
-        try:
-            names = children(
-                self._client, self._nodes, what, min(self._wait, self.session_timeout / 4)
+        pending, now = self._registrations_pending, self._now()
+        if pending is not None and pending.ready():
+            self._registrations_pending = None
+            try:
+                names = pending.get_nowait()
+            except NoNodeError:
+                names = []
+            except Exception as e:  # noqa: BLE001 - only a gauge: the last count stands
+                log.debug("free worker ids: %s", e)
+                return
+            # ASCII digits only: int() also takes other scripts' digits, or refuses them.
+            self._registered_ids = frozenset(
+                int(name) for name in names if name.isascii() and name.isdigit()
             )
-        except (StartupDeferred, KazooException, KazooTimeoutError) as e:
-            # Only a gauge: the last count stands, the next read is in 30 s (the
-            # heartbeat, not this, says when ZooKeeper is in trouble).
-            log.debug("free worker ids: %s", e)
-            return
-        self._registered_ids = frozenset(int(name) for name in names if name.isdigit())
+        elif now - self._registrations_read_at >= _REGISTRATIONS_EVERY_S:
+            # Due, and any read still unanswered (a client replaced meanwhile) is dropped.
+            self._registrations_read_at = now
+            self._registrations_pending = self._client.get_children_async(self._nodes)
 
     def _keep_layout(self) -> None:
         """Apply the layout record while serving.

@@ -180,9 +180,9 @@ class HttpApi:
             try:
                 return self._handler.settings.layout.decompose(value).to_json()
             except ConfigurationError as e:
-                raise _InvalidId(f"{text} is not an id of this layout: {e}") from None
+                raise _InvalidId(f"{value} is not an id of this layout: {e}") from None
             except OverflowError:  # a layout reaching past year 9999
-                raise _InvalidId(f"{text} is past the dates a time can hold") from None
+                raise _InvalidId(f"{value} is past the dates a time can hold") from None
 
         return decode
 

@@ -460,9 +460,13 @@ class BasicAuth:
     a check then waits, up to ``wait_s``, and the next global token goes to the
     waiting client whose last check started longest ago (never: first). A scraper
     checking once, among addresses that check every second, is therefore served
-    within a token or two instead of being refused (429) as long as the flood lasts;
-    to starve it an attacker must bring a never-seen address for every token, six
-    a second by default. At most ``max_waiting`` wait; a newcomer that ranks before
+    within a token or two instead of being refused (429) as long as the flood lasts.
+    Limits: an address not among the last ``max_clients`` to check ranks as never seen,
+    so an attacker cycling through more addresses than that (a /52 of IPv6), or
+    bringing a never-seen address for every token (six a second by default), ties
+    with the scraper, arrival order first; a reload starts the ranking afresh. The
+    scraper's password, once checked, is remembered: only its first scrape after a
+    start or a reload waits. At most ``max_waiting`` wait; a newcomer that ranks before
     the last of them takes its place. All but :meth:`check` belong to one thread.
     """
 

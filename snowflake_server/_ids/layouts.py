@@ -162,9 +162,12 @@ def parse_id(text: str) -> int:
         return _refuse(f"negative (ids are 0 .. 2^63-1 = {MAX_ID})")
     if signed or not plain:
         return _refuse("not a plain decimal integer (ASCII digits 0-9 only: no sign, space or _)")
-    if len(text.lstrip("0")) > len(str(MAX_ID)) or int(text) > MAX_ID:
+    # Only the significant digits reach int(): thousands of leading zeros are a number
+    # int() refuses to convert (its 4300-digit limit), not a reason to fail.
+    significant = text.lstrip("0") or "0"
+    if len(significant) > len(str(MAX_ID)) or int(significant) > MAX_ID:
         return _refuse(f"too large (ids are 0 .. 2^63-1 = {MAX_ID})")
-    return int(text)
+    return int(significant)
 
 
 def _refuse(why: str) -> int:

@@ -3,6 +3,8 @@ API's ``/v1/decode``, whose refusals name the real reason."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -79,4 +81,9 @@ def test_decode_names_the_reason(
 
 
 def test_decode_takes_the_boundaries(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["decode", "--json", "0", str(MAX_ID), "000" + str(MAX_ID)]) == 0
+    # Thousands of leading zeros: past int()'s 4,300 digits, still the id (was a ValueError:
+    # a traceback here, a 500 from /v1/decode).
+    padded = "0" * 5000 + str(MAX_ID)
+    assert main(["decode", "--json", "0", str(MAX_ID), "000" + str(MAX_ID), padded]) == 0
+    decoded = json.loads(capsys.readouterr().out)
+    assert [d["id"] for d in decoded] == ["0", str(MAX_ID), str(MAX_ID), str(MAX_ID)]
