@@ -52,8 +52,11 @@ CLIENTS   ?= clients
 # make test add the tests' and tools' (requirements/dev.txt) to the same .venv. Only
 # locked files, each checked against its hash; then our two distributions from this tree,
 # editable and with --no-deps (the lock has their dependencies; setup.py's requirement on
-# the client's path is not followed). --no-build-isolation: they build with the locked
-# setuptools already in .venv, not with one an isolated build would fetch unhashed.
+# the client's path is not followed). The locked setuptools goes in first (build.txt), and
+# everything is built with it (--no-build-isolation): pure-sasl is an sdist only, and an
+# isolated build would fetch its build tools unhashed. --use-pep517: pip < 23.1 (Debian
+# 12's) would run its setup.py install instead.
+BUILD_LOCK   := requirements/build.txt
 RUNTIME_LOCK := requirements/runtime.txt
 DEV_LOCK     := requirements/dev.txt
 PIP_LOCKED   := $(BIN)/python -m pip install -q --require-hashes
@@ -69,14 +72,15 @@ $(VENV)/.venv-made:
 	  $(PYTHON) -m venv $(VENV); }
 	touch $@
 
-$(VENV)/.runtime: $(RUNTIME_LOCK) pyproject.toml setup.py clients/python/pyproject.toml \
-		| $(VENV)/.venv-made
-	$(PIP_LOCKED) -r $(RUNTIME_LOCK)
+$(VENV)/.runtime: $(BUILD_LOCK) $(RUNTIME_LOCK) pyproject.toml setup.py VERSION \
+		clients/python/pyproject.toml | $(VENV)/.venv-made
+	$(PIP_LOCKED) -r $(BUILD_LOCK)
+	$(PIP_LOCKED) --no-build-isolation --use-pep517 -r $(RUNTIME_LOCK)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e . -e ./clients/python
 	touch $@
 
 $(VENV)/.installed: $(DEV_LOCK) $(VENV)/.runtime
-	$(PIP_LOCKED) -r $(DEV_LOCK)
+	$(PIP_LOCKED) --no-build-isolation --use-pep517 -r $(DEV_LOCK)
 	touch $@
 
 # By its absolute path, so that the process is recognisable in a process listing.
@@ -98,9 +102,12 @@ PIP_COMPILE = env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL -u P
 	--index-url https://pypi.org/simple $(LOCK_ARGS)
 
 lock: $(VENV)/.installed
+	@$(BIN)/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and "make lock \
+	resolves for Python 3.11, Debian 12'"'"'s: this .venv has " + sys.version.split()[0])'
 	$(BIN)/python requirements/lock_inputs.py
 	cd requirements && $(PIP_COMPILE) --output-file runtime.txt runtime.in
 	cd requirements && $(PIP_COMPILE) --output-file dev.txt dev.in
+	cd requirements && $(PIP_COMPILE) --output-file build.txt build.in
 
 # --- release artifacts (issue 26, dist part) ---------------------------------------------------
 # make dist: the sdist and wheel of both distributions (python -m build: the wheel is built

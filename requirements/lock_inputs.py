@@ -1,4 +1,4 @@
-"""Writes the lock files' inputs (``runtime.in``, ``dev.in``) from the ranges the projects
+"""Writes the lock files' inputs (``runtime.in``, ``dev.in``, ``build.in``) from the ranges the projects
 declare, so that a range is written in one place only; ``--check`` fails, naming the file,
 where a written input differs from what the ranges make (``make lock`` rewrites them).
 
@@ -7,7 +7,10 @@ runtime.in: the server's third-party requirements (setup.py THIRD_PARTY), the cl
 the build requirement both projects share, so that ours install from hashed files with
 ``--no-build-isolation``. dev.in: the same, constrained to the runtime lock's pins (a
 ``make test`` after a ``make run`` only adds packages), the server's ``test`` extra and the
-tools of the make targets (tools.in). Our own two distributions are never in a lock: pip
+tools of the make targets (tools.in). build.in: the build requirement alone, at the
+runtime lock's pin, installed first: pure-sasl is published as an sdist only, and pip
+would otherwise build it in an isolated environment filled from PyPI without hashes (or,
+pip < 23.1, with the setuptools of the venv). Our own two distributions are never in a lock: pip
 cannot hash a local tree, and they are installed after it, with ``--no-deps``.
 """
 
@@ -65,7 +68,12 @@ def inputs() -> dict[str, str]:
         *(f"{line}\n" for line in server_project["optional-dependencies"]["test"]),
         "-r tools.in\n",
     ]
-    return {"runtime.in": "".join(runtime), "dev.in": "".join(dev)}
+    tools = [
+        HEADER.format(sources="[build-system]"),
+        "-c runtime.txt\n",
+        *(f"{line}\n" for line in build),
+    ]
+    return {"runtime.in": "".join(runtime), "dev.in": "".join(dev), "build.in": "".join(tools)}
 
 
 def main(argv: list[str]) -> int:
