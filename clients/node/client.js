@@ -239,7 +239,10 @@ class SnowflakePool {
 
   /** `count` new ids (1..4096 by default), increasing, in one round trip. */
   async getIds(count, agent) {
-    if (!Number.isInteger(count)) throw new ConfigurationError(`count must be an integer, got ${String(count)}`);
+    // The IDL's i32: Thrift's encoder would wrap a larger one (2**32+3 asked 3 ids).
+    if (!Number.isInteger(count) || count < -(2 ** 31) || count > 2 ** 31 - 1) {
+      throw new ConfigurationError(`count must be an integer (an i32 in the IDL), got ${String(count)}`);
+    }
     const ids = await this._call("get_ids", agent === undefined ? this.agent : agent, count);
     return ids.map(toBigInt);
   }

@@ -122,13 +122,15 @@ try {
   const id = await pool.getId();
   const again = await pool.getId();
   const ids = await pool.getIds(3);
+  let tooMany;  // past the IDL's i32: Thrift's encoder would wrap it (3 ids asked)
+  try { tooMany = (await pool.getIds(2 ** 32 + 3)).length; } catch (e) { tooMany = e.name; }
   const { layout, workerId } = await pool.getLayout();
   const parts = decode(id, layout);
   out = {
     version, id: String(id), again: String(again), ids: ids.map(String),
     worker: parts.workerId, workers: [again, ...ids].map((each) => decode(each).workerId),
     serverWorker: workerId, roundTrip: compose(parts, layout) === id,
-    sameDecode: decodeAlone === decode, types: [typeof id, typeof ids[0]],
+    sameDecode: decodeAlone === decode, types: [typeof id, typeof ids[0]], tooMany,
   };
 } catch (e) {
   const failures = (e.failures || []).map((f) => f.error.name);
@@ -179,6 +181,12 @@ def project(tarball: Path) -> Path:
          str(tarball)], app)  # fmt: skip
     assert (app / "node_modules" / "snowflake-thrift-client" / "gen-nodejs").is_dir()
     assert not (app / "node_modules" / "snowflake-thrift-client" / "node_modules").exists()
+    # The generated stubs require node-int64 themselves: a dependency of the package, not
+    # only of thrift (pnpm and Yarn PnP give a package only what it declares).
+    installed = json.loads(
+        (app / "node_modules" / "snowflake-thrift-client" / "package.json").read_text()
+    )
+    assert {"thrift", "node-int64"} <= installed["dependencies"].keys()
     (app / "consumer.mjs").write_text(CONSUMER, encoding="utf-8")
     return app
 
@@ -213,6 +221,7 @@ def test_the_installed_package_gets_ids_and_fails_over(
     assert got["types"] == ["bigint", "bigint"]
     assert got["roundTrip"] and got["sameDecode"]
     assert got["worker"] in (1, 2) and got["serverWorker"] in (1, 2)
+    assert got["tooMany"] == "ConfigurationError", got
     ids = [int(got["id"]), int(got["again"]), *map(int, got["ids"])]
     assert len(set(ids)) == 5 and all(i > 0 for i in ids)
 

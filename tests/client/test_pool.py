@@ -14,6 +14,7 @@ from snowflake_thrift_client import (
     AsyncSnowflakePool,
     CallFailedError,
     ClockMovedBackwardsError,
+    ConfigurationError,
     InvalidCountError,
     InvalidUserAgentError,
     NoServerAvailableError,
@@ -82,6 +83,11 @@ def test_callers_errors_are_raised_at_once_not_retried(servers: MakeServer) -> N
             for kind in ("invalid_user_agent", "invalid_count")
         ]
         assert sum(refused) == 2, "each error came from one server only"
+        # A count the IDL's i32 cannot carry is the caller's too: refused before it is sent
+        # (the encoder's error was taken for every server failing: NoServerAvailableError).
+        for count in (2**31, 2**32 + 3, -(2**31) - 1, 2.0, True):
+            with pytest.raises(ConfigurationError, match="count must be an integer"):
+                pool.next_ids(count)  # type: ignore[arg-type]
         assert pool.next_id() > 0
 
 

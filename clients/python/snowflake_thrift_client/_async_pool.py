@@ -17,6 +17,7 @@ from typing import Any, Callable, TypeVar, Union
 
 from ._address import Server, ServerAddress
 from ._async_client import AsyncConnection
+from ._idl import count_arg
 from ._pool import Attempts, Discovery, PoolCore, is_coroutine_function
 
 __all__ = ["AnyDiscovery", "AsyncDiscovery", "AsyncSnowflakePool"]
@@ -100,7 +101,7 @@ class AsyncSnowflakePool(PoolCore[AsyncConnection, AnyDiscovery]):
     async def next_ids(self, count: int, agent: str | None = None) -> list[int]:
         """``count`` new ids (1..4,096 by default), increasing, in one ``get_ids`` round trip."""
         self._on_loop()
-        return [int(i) for i in await self._call("get_ids", agent or self.agent, count)]
+        return [int(i) for i in await self._call("get_ids", agent or self.agent, count_arg(count))]
 
     async def close(self) -> None:
         """Close every idle connection, and wait until their sockets are; drop prefetched

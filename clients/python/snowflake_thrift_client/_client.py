@@ -18,7 +18,13 @@ from ._errors import (
     ConnectionFailedError,
     WrongProtocolError,
 )
-from ._idl import declared_exceptions, layout_from_thrift, request_error, snowflake_thrift
+from ._idl import (
+    count_arg,
+    declared_exceptions,
+    layout_from_thrift,
+    request_error,
+    snowflake_thrift,
+)
 from ._layout import Layout
 from ._transports import TRANSPORTS, ForeignReply, ReplySocket, Transport, binary_protocol
 
@@ -178,7 +184,7 @@ class SnowflakeClient(Closing):
 
     def next_ids(self, count: int, agent: str | None = None) -> list[int]:
         """``count`` new ids (1..4,096 by default) in one round trip, increasing (``get_ids``)."""
-        return [int(i) for i in self._call("get_ids", agent or self.agent, count)]
+        return [int(i) for i in self._call("get_ids", agent or self.agent, count_arg(count))]
 
     def layout(self) -> tuple[Layout, int, int]:
         """The server's layout, datacenter id and worker id, to decode its ids locally."""

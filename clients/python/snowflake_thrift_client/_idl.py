@@ -20,6 +20,7 @@ from thriftpy2.thrift import TType
 
 from ._errors import (
     ClockMovedBackwardsError,
+    ConfigurationError,
     InvalidCountError,
     InvalidUserAgentError,
     RequestError,
@@ -29,6 +30,7 @@ from ._layout import Layout
 
 __all__ = [
     "DECLARED_ERRORS",
+    "count_arg",
     "declared_exceptions",
     "idl_text",
     "layout_from_thrift",
@@ -36,6 +38,22 @@ __all__ = [
     "request_error",
     "snowflake_thrift",
 ]
+
+_I32_MAX = 2**31 - 1
+
+
+def count_arg(count: object) -> int:
+    """``get_ids``' count, checked before it is sent: the IDL's ``i32``. Past it the
+    encoder fails (a local mistake pools took for a server failure) or wraps; the server
+    judges what lies within (:class:`InvalidCountError` beyond its batch limit)."""
+    if (
+        isinstance(count, bool)
+        or not isinstance(count, int)
+        or not -_I32_MAX - 1 <= count <= _I32_MAX
+    ):
+        raise ConfigurationError(f"count must be an integer (an i32 in the IDL), got {count!r}")
+    return count
+
 
 DECLARED_ERRORS: dict[type[RequestError], str] = {
     ClockMovedBackwardsError: "InvalidSystemClock",

@@ -26,6 +26,7 @@ from ._errors import (
     RequestError,
     SnowflakeError,
 )
+from ._idl import count_arg
 from ._transports import TRANSPORTS, Transport
 
 __all__ = [
@@ -476,7 +477,7 @@ class SnowflakePool(PoolCore[SnowflakeClient, Discovery], Closing):
 
     def next_ids(self, count: int, agent: str | None = None) -> list[int]:
         """``count`` new ids (1..4,096 by default), increasing, in one ``get_ids`` round trip."""
-        return [int(i) for i in self._call("get_ids", agent or self.agent, count)]
+        return [int(i) for i in self._call("get_ids", agent or self.agent, count_arg(count))]
 
     def close(self) -> None:
         """Close every idle connection and drop prefetched ids; later calls raise."""
