@@ -1,6 +1,7 @@
 """Checks what ``make dist`` built: exactly one sdist and one wheel of each of our two
 distributions at the one VERSION, each wheel holding exactly the files of its package in
-the tree (no tests, no ``build/`` leftovers of deleted modules, no egg-info) and the
+the tree that git tracks (no tests, no ``build/`` leftovers of deleted modules, no
+egg-info, no untracked module), its licence, and the
 server's sdist holding VERSION (its setup.py reads it). Prints each archive's files;
 exits 1 naming every stray or missing file.
 
@@ -10,12 +11,13 @@ Usage: python deploy/release/check_dist.py DIST [ROOT]   (ROOT: the tree, defaul
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tarfile
 import zipfile
 from pathlib import Path
 
-DIST_INFO = {"METADATA", "WHEEL", "RECORD", "top_level.txt"}
+DIST_INFO = {"METADATA", "WHEEL", "RECORD", "top_level.txt", "licenses/LICENSE"}
 # (distribution, package directory in the tree, file suffixes of the package, extra
 # dist-info files)
 PROJECTS = {
@@ -28,14 +30,29 @@ PROJECTS = {
 }
 
 
+def untracked(root: Path, package: Path) -> set[Path]:
+    """The files under ``package`` that git does not track (none outside a checkout): a
+    module left in the tree by mistake must not count as one the wheel should ship."""
+    try:
+        listed = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "--others", "--exclude-standard", "-z",
+             "--", str(package)],
+            capture_output=True, check=True, timeout=60,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return set()
+    return {root / name for name in listed.decode().split("\0") if name}
+
+
 def package_files(root: Path, package: Path, suffixes: tuple[str, ...]) -> set[str]:
     """The files of ``package`` a wheel must ship, as paths inside the wheel (the IDL
-    and VERSION are links in the tree: followed)."""
+    and VERSION are links in the tree: followed; files git does not track: left out)."""
     found = set()
+    stray = untracked(root, package)
     for directory, subdirectories, files in os.walk(root / package, followlinks=True):
         subdirectories[:] = [d for d in subdirectories if d != "__pycache__"]
         for name in files:
-            if name.endswith(suffixes):
+            if name.endswith(suffixes) and Path(directory, name) not in stray:
                 path = Path(directory, name).relative_to(root / package.parent)
                 found.add(path.as_posix())
     return found

@@ -32,6 +32,7 @@ TSC = NODE / "node_modules" / "typescript" / "bin" / "tsc"
 INTENDED = {
     "package.json",
     "README.md",
+    "LICENSE",
     "index.js",
     "index.d.ts",
     "client.js",

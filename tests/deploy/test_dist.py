@@ -195,3 +195,18 @@ def test_a_stray_file_in_a_wheel_fails_the_check(dist: Path, tmp_path: Path) -> 
         f"{wheel.name}: stray snowflake_server/_removed_module.py",
         f"{wheel.name}: stray tests/test_leftover.py",
     ]
+
+
+def test_a_module_git_does_not_track_is_not_expected_in_a_wheel(tmp_path: Path) -> None:
+    """Built from a checkout with a forgotten file, the wheel ships it: the check compares
+    against what git tracks, so that file is a stray, not an expected one."""
+    check_dist = load(ROOT / "deploy" / "release" / "check_dist.py")
+    package = tmp_path / "snowflake_server"
+    package.mkdir()
+    (package / "kept.py").write_text("")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True, timeout=RUN_TIMEOUT_S)
+    subprocess.run(["git", "-C", str(tmp_path), "add", "snowflake_server/kept.py"],
+                   check=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
+    (package / "forgotten.py").write_text("")
+    found = check_dist.package_files(tmp_path, Path("snowflake_server"), (".py",))
+    assert found == {"snowflake_server/kept.py"}
