@@ -16,6 +16,6 @@ def test_the_snowflake_command_decodes_a_pipe() -> None:
     assert done.stdout.decode().startswith("1025\n  time        1970-01-01T00:00:00.000Z (0 ms)\n")
     assert b"sequence    1\n" in done.stdout
     assert done.stderr == (
-        b"snowflake decode: error: line 2 of standard input: 'bad' is not an id: not a decimal "
-        b"integer\n"
+        b"snowflake decode: error: line 2 of standard input: 'bad' is not an id: not a plain "
+        b"decimal integer (ASCII digits 0-9 only: no sign, space or _)\n"
     )
