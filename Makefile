@@ -200,8 +200,10 @@ clients/node/node_modules/.package-lock.json: clients/node/package.json clients/
 # with the stubs made from the IDL first (they are in the package, never in git). Its
 # version must be /VERSION's: a release runs `make node-version` after changing VERSION.
 NODE_PACK_DIR ?= dist/npm
+# The licence is copied in (npm leaves a linked file out of the tarball).
 node-pack: node-version-check stubs
 	mkdir -p $(NODE_PACK_DIR)
+	cp LICENSE $(CLIENTS)/node/LICENSE
 	cd $(CLIENTS)/node && npm pack --pack-destination $(abspath $(NODE_PACK_DIR))
 
 node-version-check:
