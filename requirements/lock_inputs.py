@@ -1,6 +1,7 @@
 """Writes the lock files' inputs (``runtime.in``, ``dev.in``, ``build.in``) from the ranges
-the projects declare, so that a range is written in one place only; ``--check`` fails, naming the file,
-where a written input differs from what the ranges make (``make lock`` rewrites them).
+the projects declare, so that a range is written in one place only; ``--check`` fails,
+naming the file, where a written input differs from what the ranges make (``make lock``
+rewrites them).
 
 runtime.in: the server's third-party requirements (setup.py THIRD_PARTY), the client's
 (clients/python/pyproject.toml, with its ``zookeeper`` extra, which the server needs) and
