@@ -193,6 +193,7 @@ def test_a_refused_port_is_a_connection_error_from_both_pools() -> None:
     assert isinstance(info.value, ConnectionFailedError) and not info.value.connected
 
 
+@pytest.mark.slow
 def test_a_silent_server_is_a_timeout_error_from_both_pools(silent: str) -> None:
     raised = ids_from_both_pools(silent, timeout=0.2)
     assert len(raised) == 2

@@ -182,6 +182,7 @@ def test_mutual_tls_with_basic_auth(tmp_path: Path, pki: Pki) -> None:
         assert counts['snowflake_admin_connections_rejected_total{reason="tls"}'] >= 1
 
 
+@pytest.mark.slow
 def test_password_checks_are_remembered_and_throttled(tmp_path: Path) -> None:
     """One bcrypt check per second allowed: a scraper that passed once is let in from
     memory, while a guesser's concurrent tries are told to wait (429) instead of burning

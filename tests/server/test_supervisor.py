@@ -403,6 +403,7 @@ class OneThreadAdmin(FakeAdmin):
             connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}")
 
 
+@pytest.mark.slow  # a second or more of real time
 def test_the_rounds_ask_no_metrics_so_a_slow_render_never_fails_a_livez() -> None:
     supervisor, child, now = supervised_one()
     admin = OneThreadAdmin(render_s=2.0)

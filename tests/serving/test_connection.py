@@ -103,6 +103,7 @@ def test_pipelined_requests_split_anywhere_get_their_replies_in_order(
                 last_id = result.success[-1]
 
 
+@pytest.mark.slow  # a second or more of real time
 def test_a_flood_that_never_reads_is_stopped_and_others_are_served(tmp_path: Path) -> None:
     with InProcessServer(ServerSettings(), tmp_path) as server:
         request = call_bytes("get_id", 1, framed=True)
@@ -124,6 +125,7 @@ def test_a_flood_that_never_reads_is_stopped_and_others_are_served(tmp_path: Pat
         flood.close()
 
 
+@pytest.mark.slow  # a second or more of real time
 def test_a_call_that_must_wait_waits_on_a_thread_and_others_are_served(tmp_path: Path) -> None:
     server, offset = _stepped_back_server(tmp_path)
     with server:
