@@ -11,10 +11,11 @@ direct reference, and ``python -m build`` makes its wheel from its sdist.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 CLIENT_NAME = "snowflake-thrift-client"
 HERE = Path(__file__).resolve().parent
@@ -48,5 +49,26 @@ def client_requirement(argv: list[str]) -> str:
     return f"{CLIENT_NAME}=={version.strip()}"
 
 
+def native_extensions(environ: dict[str, str]) -> list[Extension]:
+    """The optional native generator state (snowflake_server/_native/_core.c): built where a
+    C compiler and Python's headers are, else left out with one warning from setuptools
+    (``optional=True``) and the server runs on the pure-Python path. ``SNOWFLAKE_NO_NATIVE=1``
+    leaves it out of the build too."""
+    if environ.get("SNOWFLAKE_NO_NATIVE", "") not in ("", "0"):
+        return []
+    return [
+        Extension(
+            "snowflake_server._native._core",
+            ["snowflake_server/_native/_core.c"],
+            extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-pthread"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        )
+    ]
+
+
 if __name__ == "__main__":
-    setup(install_requires=[client_requirement(sys.argv), *THIRD_PARTY])
+    setup(
+        install_requires=[client_requirement(sys.argv), *THIRD_PARTY],
+        ext_modules=native_extensions(dict(os.environ)),
+    )

@@ -1,0 +1,550 @@
+/* snowflake_server._native._core: the generator state one worker's ids come from, shared
+ * by native threads (the fast path, in C, without the GIL) and Python (the slow path,
+ * snowflake_server/_ids/generator.py's NativeStateIdGenerator), under one pthread mutex.
+ *
+ * One state per worker: the state holds exactly the fields the common path touches, plus
+ * the session gate's deadline (CLOCK_BOOTTIME seconds) and an open flag. The fast path
+ * serves two cases and nothing else:
+ *   - the same ms with sequence left: sequence += 1;
+ *   - a new ms at or below the ceiling, sequences starting at zero: the same bookkeeping
+ *     as IdGenerator._advance's new-ms branch.
+ * Anything else (gate closed or past its deadline, sealed, exhausted ms, a backwards step,
+ * past the ceiling, random sequence starts) returns SLOW with no field touched: Python
+ * resolves it in IdGenerator's order, on the same fields under the same mutex.
+ *
+ * Lock order: a thread holding the mutex never waits for the GIL. Python takes the mutex
+ * with the GIL released when it is contended (a native thread holding it can finish), and
+ * a native thread lets go of the mutex before it takes the GIL to hand a SLOW call over.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <time.h>
+
+#define SLOW ((int64_t)-1) /* ids are never negative */
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mutex;
+    /* Constants of the layout. */
+    int64_t epoch;
+    int64_t ts_shift;
+    int64_t max_sequence;
+    int zero_start; /* sequences start at zero (not at a random offset) */
+    /* IdGenerator's fields of the same names (without the leading underscore). */
+    int64_t last_ts;
+    int64_t sequence;
+    int64_t base;
+    int64_t first_sequence;
+    int64_t ids_before_this_ms;
+    int64_t ceiling;
+    int64_t node;
+    int sealed;
+    /* The session gate: ids only while open and the boot clock is at or before gate_until. */
+    int gate_open;
+    double gate_until;
+} GeneratorState;
+
+/* The fast call. Caller holds the mutex. Touches nothing when it returns SLOW. */
+static inline int64_t
+fast_locked(GeneratorState *s, int64_t now, double boot_now)
+{
+    /* !(a <= b): a NaN reading is past any deadline. */
+    if (!s->gate_open || !(boot_now <= s->gate_until) || s->sealed) {
+        return SLOW;
+    }
+    if (now == s->last_ts) {
+        if (s->sequence < s->max_sequence) {
+            s->sequence += 1;
+            return s->base | s->sequence;
+        }
+        return SLOW;
+    }
+    if (now > s->last_ts && now <= s->ceiling && s->zero_start) {
+        s->ids_before_this_ms += s->sequence - s->first_sequence + 1;
+        s->last_ts = now;
+        s->base = ((now - s->epoch) << s->ts_shift) | s->node;
+        s->first_sequence = s->sequence = 0;
+        return s->base;
+    }
+    return SLOW;
+}
+
+static inline int64_t
+wall_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+static inline double
+boot_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_BOOTTIME, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* The fast call on the real clocks, read under the mutex (as IdGenerator reads its clock
+ * under its lock). The entry point of native threads: no GIL needed. */
+static int64_t
+fast_now(GeneratorState *s)
+{
+    pthread_mutex_lock(&s->mutex);
+    int64_t id = fast_locked(s, wall_ms(), boot_s());
+    pthread_mutex_unlock(&s->mutex);
+    return id;
+}
+
+/* Take the mutex from Python: at once if free, else with the GIL released. -1 with
+ * RuntimeError set if this thread holds it already (an error-checking mutex). */
+static int
+lock_from_python(GeneratorState *s)
+{
+    int err = pthread_mutex_trylock(&s->mutex);
+    if (err == EBUSY) {
+        Py_BEGIN_ALLOW_THREADS
+        err = pthread_mutex_lock(&s->mutex);
+        Py_END_ALLOW_THREADS
+    }
+    if (err != 0) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_RuntimeError);
+        return -1;
+    }
+    return 0;
+}
+
+/* -- the type ---------------------------------------------------------------------- */
+
+static int
+GeneratorState_init(GeneratorState *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"epoch_ms", "timestamp_shift", "max_sequence", "zero_start", NULL};
+    long long epoch, shift, max_sequence;
+    int zero_start;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LLLp", kwlist, &epoch, &shift,
+                                     &max_sequence, &zero_start)) {
+        return -1;
+    }
+    if (epoch < 0 || shift < 0 || shift > 62 || max_sequence < 0 ||
+        max_sequence >= ((long long)1 << 62)) {
+        PyErr_SetString(PyExc_ValueError, "layout constants out of range");
+        return -1;
+    }
+    self->epoch = epoch;
+    self->ts_shift = shift;
+    self->max_sequence = max_sequence;
+    self->zero_start = zero_start;
+    /* As a new IdGenerator: nothing issued, no ms open, no ceiling, the gate closed. */
+    self->last_ts = -1;
+    self->sequence = max_sequence;
+    self->base = 0;
+    self->first_sequence = max_sequence + 1;
+    self->ids_before_this_ms = 0;
+    self->ceiling = -1;
+    self->node = 0;
+    self->sealed = 0;
+    self->gate_open = 0;
+    self->gate_until = -INFINITY;
+    return 0;
+}
+
+static PyObject *
+GeneratorState_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    (void)args;
+    (void)kwds;
+    GeneratorState *self = (GeneratorState *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    /* Python's release by a thread that does not hold it is an error, not undefined. */
+    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
+    int err = pthread_mutex_init(&self->mutex, &attr);
+    pthread_mutexattr_destroy(&attr);
+    if (err != 0) {
+        Py_DECREF(self);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    self->gate_until = -INFINITY;
+    return (PyObject *)self;
+}
+
+static void
+GeneratorState_dealloc(GeneratorState *self)
+{
+    pthread_mutex_destroy(&self->mutex);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* -- the lock, as threading.Lock's surface ------------------------------------------ */
+
+static PyObject *
+GeneratorState_acquire(GeneratorState *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"blocking", "timeout", NULL};
+    int blocking = 1;
+    double timeout = -1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|pd", kwlist, &blocking, &timeout)) {
+        return NULL;
+    }
+    int err = pthread_mutex_trylock(&self->mutex);
+    if (err == EBUSY && blocking) {
+        if (timeout < 0) {
+            Py_BEGIN_ALLOW_THREADS
+            err = pthread_mutex_lock(&self->mutex);
+            Py_END_ALLOW_THREADS
+        } else {
+            struct timespec until;
+            clock_gettime(CLOCK_MONOTONIC, &until);
+            double whole = floor(timeout);
+            until.tv_sec += (time_t)whole;
+            until.tv_nsec += (long)((timeout - whole) * 1e9);
+            if (until.tv_nsec >= 1000000000L) {
+                until.tv_sec += 1;
+                until.tv_nsec -= 1000000000L;
+            }
+            Py_BEGIN_ALLOW_THREADS
+            err = pthread_mutex_clocklock(&self->mutex, CLOCK_MONOTONIC, &until);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    if (err == 0) {
+        Py_RETURN_TRUE;
+    }
+    if (err == EBUSY || err == ETIMEDOUT) {
+        Py_RETURN_FALSE;
+    }
+    errno = err; /* EDEADLK: this thread holds it already */
+    return PyErr_SetFromErrno(PyExc_RuntimeError);
+}
+
+static PyObject *
+GeneratorState_release(GeneratorState *self, PyObject *Py_UNUSED(ignored))
+{
+    int err = pthread_mutex_unlock(&self->mutex);
+    if (err != 0) {
+        errno = err; /* EPERM: not held by this thread */
+        return PyErr_SetFromErrno(PyExc_RuntimeError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+GeneratorState_enter(GeneratorState *self, PyObject *Py_UNUSED(ignored))
+{
+    if (lock_from_python(self) < 0) {
+        return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+GeneratorState_exit(GeneratorState *self, PyObject *args)
+{
+    (void)args;
+    return GeneratorState_release(self, NULL);
+}
+
+/* -- the fast call, the gate -------------------------------------------------------- */
+
+static PyObject *
+id_or_none(int64_t id)
+{
+    if (id == SLOW) {
+        Py_RETURN_NONE;
+    }
+    return PyLong_FromLongLong(id);
+}
+
+static PyObject *
+GeneratorState_next_id(GeneratorState *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "next_id(now_ms, boot_now) takes 2 arguments");
+        return NULL;
+    }
+    long long now = PyLong_AsLongLong(args[0]);
+    if (now == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    double boot = PyFloat_AsDouble(args[1]);
+    if (boot == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (lock_from_python(self) < 0) {
+        return NULL;
+    }
+    int64_t id = fast_locked(self, now, boot);
+    pthread_mutex_unlock(&self->mutex);
+    return id_or_none(id);
+}
+
+static PyObject *
+GeneratorState_next_id_now(GeneratorState *self, PyObject *Py_UNUSED(ignored))
+{
+    if (lock_from_python(self) < 0) {
+        return NULL;
+    }
+    int64_t id = fast_locked(self, wall_ms(), boot_s());
+    pthread_mutex_unlock(&self->mutex);
+    return id_or_none(id);
+}
+
+static PyObject *
+GeneratorState_set_gate(GeneratorState *self, PyObject *arg)
+{
+    double until = PyFloat_AsDouble(arg);
+    if (until == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (isnan(until)) {
+        PyErr_SetString(PyExc_ValueError, "the gate's deadline is NaN");
+        return NULL;
+    }
+    if (lock_from_python(self) < 0) {
+        return NULL;
+    }
+    self->gate_open = 1;
+    self->gate_until = until;
+    pthread_mutex_unlock(&self->mutex);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+GeneratorState_close(GeneratorState *self, PyObject *Py_UNUSED(ignored))
+{
+    if (lock_from_python(self) < 0) {
+        return NULL;
+    }
+    self->gate_open = 0;
+    self->gate_until = -INFINITY;
+    pthread_mutex_unlock(&self->mutex);
+    Py_RETURN_NONE;
+}
+
+/* The concurrent tests' native thread: `n` fast calls on the real clocks with the GIL
+ * released; a SLOW one lets go of the mutex, takes the GIL and calls slow(), whose int is
+ * taken as the call's id (None: stop). Returns (ids in order, how many came from slow()). */
+static PyObject *
+GeneratorState_spin(GeneratorState *self, PyObject *args)
+{
+    Py_ssize_t n;
+    PyObject *slow;
+    if (!PyArg_ParseTuple(args, "nO", &n, &slow)) {
+        return NULL;
+    }
+    if (n < 0 || (size_t)n > PY_SSIZE_T_MAX / sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "n out of range");
+        return NULL;
+    }
+    int64_t *ids = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (ids == NULL) {
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t got = 0, slow_calls = 0;
+    int failed = 0;
+    while (got < n) {
+        int64_t id;
+        Py_BEGIN_ALLOW_THREADS
+        while (got < n && (id = fast_now(self)) != SLOW) {
+            ids[got++] = id;
+        }
+        Py_END_ALLOW_THREADS
+        if (got == n) {
+            break;
+        }
+        PyObject *result = PyObject_CallNoArgs(slow);
+        if (result == NULL) {
+            failed = 1;
+            break;
+        }
+        if (result == Py_None) {
+            Py_DECREF(result);
+            break;
+        }
+        long long value = PyLong_AsLongLong(result);
+        Py_DECREF(result);
+        if (value == -1 && PyErr_Occurred()) {
+            failed = 1;
+            break;
+        }
+        ids[got++] = value;
+        slow_calls += 1;
+    }
+    PyObject *list = failed ? NULL : PyList_New(got);
+    for (Py_ssize_t i = 0; list != NULL && i < got; i++) {
+        PyObject *item = PyLong_FromLongLong(ids[i]);
+        if (item == NULL) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, item);
+    }
+    PyMem_RawFree(ids);
+    if (list == NULL) {
+        return NULL;
+    }
+    return Py_BuildValue("(Nn)", list, slow_calls);
+}
+
+/* -- the fields, for Python's slow path (which holds the mutex while it uses them) ---- */
+
+#define INT64_FIELD(name)                                                                  \
+    static PyObject *get_##name(GeneratorState *self, void *closure)                      \
+    {                                                                                      \
+        (void)closure;                                                                     \
+        return PyLong_FromLongLong(self->name);                                            \
+    }                                                                                      \
+    static int set_##name(GeneratorState *self, PyObject *value, void *closure)           \
+    {                                                                                      \
+        (void)closure;                                                                     \
+        if (value == NULL) {                                                               \
+            PyErr_SetString(PyExc_AttributeError, "cannot delete " #name);                 \
+            return -1;                                                                     \
+        }                                                                                  \
+        long long v = PyLong_AsLongLong(value);                                            \
+        if (v == -1 && PyErr_Occurred()) {                                                 \
+            return -1;                                                                     \
+        }                                                                                  \
+        self->name = v;                                                                    \
+        return 0;                                                                          \
+    }
+
+INT64_FIELD(last_ts)
+INT64_FIELD(sequence)
+INT64_FIELD(base)
+INT64_FIELD(first_sequence)
+INT64_FIELD(ids_before_this_ms)
+INT64_FIELD(ceiling)
+INT64_FIELD(node)
+
+static PyObject *
+get_sealed(GeneratorState *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(self->sealed);
+}
+
+static int
+set_sealed(GeneratorState *self, PyObject *value, void *closure)
+{
+    (void)closure;
+    int truth = value == NULL ? -1 : PyObject_IsTrue(value);
+    if (truth < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_AttributeError, "cannot delete sealed");
+        }
+        return -1;
+    }
+    self->sealed = truth;
+    return 0;
+}
+
+static PyObject *
+get_gate_open(GeneratorState *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(self->gate_open);
+}
+
+static PyObject *
+get_gate_until(GeneratorState *self, void *closure)
+{
+    (void)closure;
+    return PyFloat_FromDouble(self->gate_until);
+}
+
+#define INT64_CONSTANT(name)                                                               \
+    static PyObject *get_##name(GeneratorState *self, void *closure)                      \
+    {                                                                                      \
+        (void)closure;                                                                     \
+        return PyLong_FromLongLong(self->name);                                            \
+    }
+
+INT64_CONSTANT(epoch)
+INT64_CONSTANT(ts_shift)
+INT64_CONSTANT(max_sequence)
+
+static PyObject *
+get_zero_start(GeneratorState *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(self->zero_start);
+}
+
+#define RW(name) {#name, (getter)get_##name, (setter)set_##name, NULL, NULL}
+#define RO(name) {#name, (getter)get_##name, NULL, NULL, NULL}
+
+static PyGetSetDef GeneratorState_getset[] = {
+    RW(last_ts), RW(sequence), RW(base), RW(first_sequence), RW(ids_before_this_ms),
+    RW(ceiling), RW(node), RW(sealed), RO(gate_open), RO(gate_until), RO(epoch),
+    RO(ts_shift), RO(max_sequence), RO(zero_start), {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef GeneratorState_methods[] = {
+    {"acquire", (PyCFunction)(void (*)(void))GeneratorState_acquire,
+     METH_VARARGS | METH_KEYWORDS, "Take the mutex (threading.Lock.acquire's arguments)."},
+    {"release", (PyCFunction)GeneratorState_release, METH_NOARGS, "Let go of the mutex."},
+    {"__enter__", (PyCFunction)GeneratorState_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)GeneratorState_exit, METH_VARARGS, NULL},
+    {"next_id", (PyCFunction)(void (*)(void))GeneratorState_next_id, METH_FASTCALL,
+     "next_id(now_ms, boot_now): the fast call on the given clock readings; None: SLOW."},
+    {"next_id_now", (PyCFunction)GeneratorState_next_id_now, METH_NOARGS,
+     "The fast call on the real clocks (read under the mutex); None: SLOW."},
+    {"set_gate", (PyCFunction)GeneratorState_set_gate, METH_O,
+     "Open the gate until this boot-clock second (CLOCK_BOOTTIME)."},
+    {"close", (PyCFunction)GeneratorState_close, METH_NOARGS,
+     "Close the gate: every fast call is SLOW until set_gate."},
+    {"spin", (PyCFunction)GeneratorState_spin, METH_VARARGS,
+     "spin(n, slow): n fast calls without the GIL, slow() for each SLOW one (tests)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject GeneratorStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "snowflake_server._native._core.GeneratorState",
+    .tp_basicsize = sizeof(GeneratorState),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One worker's generator state under one mutex: the fast path's fields, the "
+              "session gate's deadline and open flag.",
+    .tp_new = GeneratorState_new,
+    .tp_init = (initproc)GeneratorState_init,
+    .tp_dealloc = (destructor)GeneratorState_dealloc,
+    .tp_methods = GeneratorState_methods,
+    .tp_getset = GeneratorState_getset,
+};
+
+static struct PyModuleDef core_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "snowflake_server._native._core",
+    .m_doc = "The native generator state (see snowflake_server/_native/__init__.py).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__core(void)
+{
+    if (PyType_Ready(&GeneratorStateType) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&core_module);
+    if (module == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(module, "GeneratorState", (PyObject *)&GeneratorStateType) < 0 ||
+        PyModule_AddIntConstant(module, "SLOW", -1) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
