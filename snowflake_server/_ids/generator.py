@@ -21,7 +21,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Literal, Protocol
+from types import TracebackType
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from snowflake_thrift_client import Layout
 from snowflake_thrift_client._layout import check_int
@@ -35,12 +36,16 @@ from .._errors import (
 )
 from .clocks import METER, pause, wall_clock_ms
 
+if TYPE_CHECKING:
+    from .._native._core import GeneratorState
+
 __all__ = [
     "Contended",
     "GeneratorCounters",
     "GeneratorSettings",
     "IdGenerator",
     "IdSource",
+    "NativeStateIdGenerator",
     "WouldBlock",
     "forbid_waiting",
     "pick_clock_sequence",
@@ -149,6 +154,24 @@ class GeneratorCounters:
         return GeneratorCounters(**sums, max_backward_step_ms=step)
 
 
+class _Lock(Protocol):
+    """What the generator needs of its lock: ``threading.Lock``, or the native state's
+    mutex (:class:`NativeStateIdGenerator`)."""
+
+    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
+
+    def release(self) -> None: ...
+
+    def __enter__(self) -> bool: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
 class IdSource(Protocol):
     """What the Thrift handler and the metrics need: an ``IdGenerator``, or a slot
     whose generator changes (cluster mode re-leases worker ids)."""
@@ -250,7 +273,7 @@ class IdGenerator:
         self._clock = clock
         self._sleep = sleep
         self._randbelow = randbelow
-        self._lock = threading.Lock()
+        self._lock: _Lock = threading.Lock()
         self._acquire = self._lock.acquire
         self._release = self._lock.release
         # Hot-path constants, read once instead of through properties per id.
@@ -617,3 +640,111 @@ class IdGenerator:
         # this ceiling may be another value's, or an earlier stretch's of this one.
         if switches == self.clock_sequence_switches:
             self._raise_ceiling_locked(ceiling)  # sealed or raised meanwhile: kept so
+
+
+class NativeStateIdGenerator(IdGenerator):
+    """An :class:`IdGenerator` whose state lives in the native core's ``GeneratorState``
+    (:attr:`native_state`), under its mutex, instead of in Python attributes: the one state
+    of its worker, which native threads serve the common cases from (in C, without the GIL)
+    while every call made from Python, and every case the fast path hands back as SLOW,
+    runs this class's code on the same fields under the same mutex. Behaves exactly as an
+    ``IdGenerator`` with the same arguments.
+
+    The fast path also needs the session gate open: it starts closed, and whoever owns the
+    gate opens it with ``native_state.set_gate(deadline)`` and closes it with
+    ``native_state.close()``. Raises ``ConfigurationError`` where the native core is off or
+    not built (:func:`snowflake_server._native.native_core`).
+    """
+
+    # The fields the fast path reads and writes: the state's, read and written with its
+    # mutex held (the lock below), as IdGenerator's own attributes are with its lock.
+    _state: GeneratorState
+
+    def __init__(self, settings: GeneratorSettings, **kwargs: object) -> None:
+        from .._native import native_core
+
+        core = native_core()
+        if core is None:
+            raise ConfigurationError(
+                "the native core is not available (not built, or SNOWFLAKE_NO_NATIVE=1)"
+            )
+        layout = settings.layout
+        self._state = core.GeneratorState(
+            layout.epoch_ms,
+            layout.timestamp_shift,
+            layout.max_sequence,
+            settings.sequence_start == "zero",
+        )
+        super().__init__(settings, **kwargs)  # type: ignore[arg-type]
+        self._lock = self._state
+        self._acquire = self._state.acquire
+        self._release = self._state.release
+
+    @property
+    def native_state(self) -> GeneratorState:
+        """The state native threads serve from (one per worker: never make another)."""
+        return self._state
+
+    @property
+    def _last_ts(self) -> int:
+        return self._state.last_ts
+
+    @_last_ts.setter
+    def _last_ts(self, value: int) -> None:
+        self._state.last_ts = value
+
+    @property
+    def _sequence(self) -> int:
+        return self._state.sequence
+
+    @_sequence.setter
+    def _sequence(self, value: int) -> None:
+        self._state.sequence = value
+
+    @property
+    def _base(self) -> int:
+        return self._state.base
+
+    @_base.setter
+    def _base(self, value: int) -> None:
+        self._state.base = value
+
+    @property
+    def _first_sequence(self) -> int:
+        return self._state.first_sequence
+
+    @_first_sequence.setter
+    def _first_sequence(self, value: int) -> None:
+        self._state.first_sequence = value
+
+    @property
+    def _ids_before_this_ms(self) -> int:
+        return self._state.ids_before_this_ms
+
+    @_ids_before_this_ms.setter
+    def _ids_before_this_ms(self, value: int) -> None:
+        self._state.ids_before_this_ms = value
+
+    @property
+    def _ceiling(self) -> int:
+        return self._state.ceiling
+
+    @_ceiling.setter
+    def _ceiling(self, value: int) -> None:
+        self._state.ceiling = value
+
+    @property
+    def _node(self) -> int:
+        return self._state.node
+
+    @_node.setter
+    def _node(self, value: int) -> None:
+        self._state.node = value
+
+    @property
+    def _sealed(self) -> bool:
+        return self._state.sealed
+
+    @_sealed.setter
+    def _sealed(self, value: bool) -> None:
+        self._state.sealed = value

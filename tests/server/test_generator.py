@@ -1,11 +1,13 @@
 """The generator under a fake clock: time is an input; its clock sequence (a rollback
-moves to another value) too."""
+moves to another value) too. Every test runs on both homes of the generator's state:
+Python attributes (``IdGenerator``) and the native core's ``GeneratorState``
+(``NativeStateIdGenerator``; skipped where the native core is not built)."""
 
 from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import pytest
@@ -26,15 +28,31 @@ from snowflake_server import (
     decompose,
 )
 from snowflake_server._ids.generator import (
+    NativeStateIdGenerator,
     WouldBlock,
     forbid_waiting,
     pick_clock_sequence,
     waiting_forbidden,
 )
+from snowflake_server._native import native_core
 from tests.support.fakes import FakeClock
 from tests.support.waiting import run_in_thread
 
 T0 = 1_700_000_000_000
+
+
+@pytest.fixture(scope="module", autouse=True, params=["python", "native"])
+def state_home(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each test of this module once per home of the generator's state: ``IdGenerator``
+    below is then the class of that home (module-scoped, which hypothesis allows)."""
+    if request.param == "python":
+        yield request.param
+        return
+    if native_core() is None:
+        pytest.skip("the native core is not built")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(globals(), "IdGenerator", NativeStateIdGenerator)
+        yield request.param
 
 
 def make(clock: FakeClock, **kwargs: object) -> IdGenerator:
