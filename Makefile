@@ -43,7 +43,7 @@ IDL       := idl/snowflake.thrift
 CLIENTS   ?= clients
 
 .PHONY: install lock dist system-deps stubs node-deps node-pack node-version node-version-check \
-	run check test test-fast coverage bench clean soak \
+	run check test test-fast coverage bench clean soak native native-sanitize \
 	prometheus-tools \
 	bench-deps bench-build bench-loadgen bench-anchors
 
@@ -281,6 +281,42 @@ test-fast: install prometheus-tools
 	PATH="$(abspath $(PROMETHEUS_BIN)):$$PATH" \
 	  $(BIN)/pytest -n $(PYTEST_WORKERS) -m "not zookeeper and not interop and not slow and not nemesis" \
 	  $(FAST_TIERS)
+
+# --- the native core (issue 27) ------------------------------------------------------------
+# make native: the optional C extension (snowflake_server/_native/_core.c) built in place, as
+# an install builds it (setup.py: optional=True; SNOWFLAKE_NO_NATIVE=1 leaves it out).
+# make native-sanitize: the extension built twice more, with -fsanitize=address,undefined and
+# with -fsanitize=thread, each into a copy of the package under $(SANITIZE_BUILD)/<kind>, and
+# the native tests run against each. The interpreter is not instrumented: the sanitizer's
+# runtime is preloaded (LD_PRELOAD, gcc's libasan/libubsan/libtsan), leak detection is off
+# (CPython keeps its objects to the end), and any report fails the run (--capture=sys: pytest
+# must not swallow a report written to file descriptor 2 by a process the sanitizer stops).
+NATIVE_TESTS   ?= tests/server/test_native_generator.py tests/server/test_generator.py
+SANITIZE_BUILD ?= build/sanitize
+NATIVE_SRC     := snowflake_server/_native/_core.c
+PY_INCLUDE      = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+PY_EXT_SUFFIX   = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+SANITIZE_CFLAGS := -std=c11 -O1 -g -fno-omit-frame-pointer -Wall -Wextra -Werror -shared -fPIC -pthread
+SANITIZERS     := asan:address,undefined tsan:thread
+SANITIZE_ENV_asan := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libubsan.so)"
+SANITIZE_ENV_tsan := TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+	LD_PRELOAD="$$($(CC) -print-file-name=libtsan.so)"
+
+native: $(VENV)/.installed
+	$(BIN)/python setup.py -q build_ext --inplace --force
+
+native-sanitize: $(VENV)/.installed
+	@set -e; for pair in $(SANITIZERS); do kind=$${pair%%:*}; flags=$${pair##*:}; \
+	  dir=$(SANITIZE_BUILD)/$$kind; rm -rf $$dir; mkdir -p $$dir; \
+	  cp -r snowflake_server tests pyproject.toml $$dir/; rm -f $$dir/snowflake_server/_native/*.so; \
+	  $(CC) $(SANITIZE_CFLAGS) -fsanitize=$$flags -fno-sanitize-recover=all \
+	    -I$(PY_INCLUDE) $(NATIVE_SRC) -o $$dir/snowflake_server/_native/_core$(PY_EXT_SUFFIX); \
+	  echo "== $$kind (-fsanitize=$$flags): $(NATIVE_TESTS)"; \
+	  if [ $$kind = asan ]; then env=$$(echo '$(SANITIZE_ENV_asan)'); else env=$$(echo '$(SANITIZE_ENV_tsan)'); fi; \
+	  (cd $$dir && eval "$$env $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider -n 0 --capture=sys $(NATIVE_TESTS)"); \
+	done
 
 # The benchmark harness (about 9 minutes; BENCH_ARGS=--quick for a smoke run of about
 # two): results in bench/results/<time>/ and bench/results/latest.md; then the HTTP/JSON

@@ -30,6 +30,9 @@
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mutex;
+    /* The Python thread holding the mutex through acquire() (0: none): atomic, since a
+     * thread that does not hold the mutex reads it to refuse a release or a second lock. */
+    unsigned long py_owner;
     /* Constants of the layout. */
     int64_t epoch;
     int64_t ts_shift;
@@ -101,11 +104,21 @@ fast_now(GeneratorState *s)
     return id;
 }
 
+static inline int
+held_by_this_thread(GeneratorState *s)
+{
+    return __atomic_load_n(&s->py_owner, __ATOMIC_RELAXED) == (unsigned long)pthread_self();
+}
+
 /* Take the mutex from Python: at once if free, else with the GIL released. -1 with
- * RuntimeError set if this thread holds it already (an error-checking mutex). */
+ * RuntimeError set if this thread holds it already (it would wait for itself). */
 static int
 lock_from_python(GeneratorState *s)
 {
+    if (held_by_this_thread(s)) {
+        PyErr_SetString(PyExc_RuntimeError, "this thread holds the generator state already");
+        return -1;
+    }
     int err = pthread_mutex_trylock(&s->mutex);
     if (err == EBUSY) {
         Py_BEGIN_ALLOW_THREADS
@@ -164,12 +177,8 @@ GeneratorState_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (self == NULL) {
         return NULL;
     }
-    pthread_mutexattr_t attr;
-    pthread_mutexattr_init(&attr);
-    /* Python's release by a thread that does not hold it is an error, not undefined. */
-    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
-    int err = pthread_mutex_init(&self->mutex, &attr);
-    pthread_mutexattr_destroy(&attr);
+    /* A plain mutex (the fast path's): Python's misuse is caught by py_owner instead. */
+    int err = pthread_mutex_init(&self->mutex, NULL);
     if (err != 0) {
         Py_DECREF(self);
         errno = err;
@@ -197,6 +206,13 @@ GeneratorState_acquire(GeneratorState *self, PyObject *args, PyObject *kwds)
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|pd", kwlist, &blocking, &timeout)) {
         return NULL;
     }
+    if (held_by_this_thread(self)) {
+        if (!blocking) {
+            Py_RETURN_FALSE;
+        }
+        PyErr_SetString(PyExc_RuntimeError, "this thread holds the generator state already");
+        return NULL;
+    }
     int err = pthread_mutex_trylock(&self->mutex);
     if (err == EBUSY && blocking) {
         if (timeout < 0) {
@@ -219,23 +235,25 @@ GeneratorState_acquire(GeneratorState *self, PyObject *args, PyObject *kwds)
         }
     }
     if (err == 0) {
+        __atomic_store_n(&self->py_owner, (unsigned long)pthread_self(), __ATOMIC_RELAXED);
         Py_RETURN_TRUE;
     }
     if (err == EBUSY || err == ETIMEDOUT) {
         Py_RETURN_FALSE;
     }
-    errno = err; /* EDEADLK: this thread holds it already */
+    errno = err;
     return PyErr_SetFromErrno(PyExc_RuntimeError);
 }
 
 static PyObject *
 GeneratorState_release(GeneratorState *self, PyObject *Py_UNUSED(ignored))
 {
-    int err = pthread_mutex_unlock(&self->mutex);
-    if (err != 0) {
-        errno = err; /* EPERM: not held by this thread */
-        return PyErr_SetFromErrno(PyExc_RuntimeError);
+    if (!held_by_this_thread(self)) {
+        PyErr_SetString(PyExc_RuntimeError, "release of a generator state this thread does not hold");
+        return NULL;
     }
+    __atomic_store_n(&self->py_owner, 0UL, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&self->mutex);
     Py_RETURN_NONE;
 }
 
@@ -245,6 +263,7 @@ GeneratorState_enter(GeneratorState *self, PyObject *Py_UNUSED(ignored))
     if (lock_from_python(self) < 0) {
         return NULL;
     }
+    __atomic_store_n(&self->py_owner, (unsigned long)pthread_self(), __ATOMIC_RELAXED);
     Py_RETURN_TRUE;
 }
 
