@@ -36,7 +36,7 @@ from snowflake_server._native import native_core, native_disabled
 from tests.support.fakes import FakeClock, SecondsClock
 
 core = native_core()
-pytestmark = pytest.mark.skipif(core is None, reason="the native core is not built")
+needs_core = pytest.mark.skipif(core is None, reason="the native core is not built")
 
 T0 = 1_700_000_000_000
 LAYOUTS = [
@@ -240,6 +240,7 @@ class Differential(RuleBasedStateMachine):
         assert (pure.ceiling_ms, pure.clock_sequence) == (hybrid.ceiling_ms, hybrid.clock_sequence)
 
 
+@needs_core
 def test_the_hybrid_issues_what_the_pure_generator_does() -> None:
     for key in TOTALS:
         TOTALS[key] = 0
@@ -269,6 +270,7 @@ def fields(state: object) -> tuple[object, ...]:
     return tuple(getattr(state, name) for name in names.split())
 
 
+@needs_core
 def test_the_fast_call_serves_only_the_common_cases_and_touches_nothing_otherwise() -> None:
     state = fresh_state().native_state
     assert state.next_id(T0, 0.0) is None  # the gate starts closed
@@ -290,6 +292,7 @@ def test_the_fast_call_serves_only_the_common_cases_and_touches_nothing_otherwis
     assert state.next_id(T0 + 1, 0.0) == first + (1 << state.ts_shift)
 
 
+@needs_core
 def test_a_sealed_state_serves_nothing_fast() -> None:
     generator = fresh_state()
     state = generator.native_state
@@ -299,6 +302,7 @@ def test_a_sealed_state_serves_nothing_fast() -> None:
     assert state.sealed and state.next_id(T0, 0.0) is None and state.next_id(T0 + 1, 0.0) is None
 
 
+@needs_core
 def test_a_random_sequence_start_leaves_new_ms_to_python() -> None:
     clock = FakeClock(T0)
     generator = NativeStateIdGenerator(
@@ -311,6 +315,7 @@ def test_a_random_sequence_start_leaves_new_ms_to_python() -> None:
     assert state.next_id(T0, 0.0) == first + 1  # the same ms: fast
 
 
+@needs_core
 def test_the_mutex_behaves_as_a_lock() -> None:
     state = fresh_state().native_state
     with pytest.raises(RuntimeError):
@@ -365,6 +370,7 @@ def test_without_the_native_core_the_server_says_so_once_and_a_native_state_is_r
 # -- the hybrid under threads ------------------------------------------------------------
 
 
+@needs_core
 def test_native_threads_and_python_share_one_state_without_a_repeated_id() -> None:
     """Native threads loop the fast call without the GIL (a SLOW call goes to Python's slow
     path, as in production) beside a Python thread calling the slow path, while the
