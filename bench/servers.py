@@ -6,6 +6,8 @@
 - ``start_java_anchor`` and ``start_go_anchor``: Apache Thrift's ``TThreadPoolServer``
   and ``TSimpleServer`` serving Twitter's IdWorker (``bench/anchors/``), built by
   ``make bench-build`` into ``bench/build/``;
+- ``start_native_floor``: the floor, ``bench/native/floor.c`` built into ``bench/build/``:
+  a C epoll server answering the fast path's ``get_id`` and nothing else, no Python;
 - ``start_floor``: the bare thriftpy2 server of ``floor_server.py``, which returns a
   constant id (the tests use it to prove that the load generator's checks bite).
 
@@ -39,6 +41,7 @@ BUILD = ROOT / "bench" / "build"
 FLOOR_SCRIPT = ROOT / "bench" / "floor_server.py"
 FLOOR_READY = "floor-server ready"
 ANCHOR_READY = "anchor ready"
+NATIVE_FLOOR_READY = "native-floor ready"
 BASELINE_REV = "ec6aa28"
 """The last commit of the thread-per-connection server, before the event-loop one."""
 JAVA_LIBS = ("/usr/share/java/thrift.jar", "/usr/share/java/slf4j-nop.jar")
@@ -286,6 +289,18 @@ def start_go_anchor(name: str, log_dir: Path, build: Path, worker_id: int) -> Se
     """The Go anchor (``TSimpleServer``) built into ``build/anchor-go``."""
     command = [str(_built(build / "anchor-go")), "--worker-id", str(worker_id)]
     return launch(name, command, ANCHOR_READY, log_dir)
+
+
+def start_native_floor(
+    name: str, log_dir: Path, build: Path, worker_id: int, *args: str, cpu: int | None = None
+) -> Server:
+    """The floor (``bench/native/floor.c``) built into ``build/floor``, on a free port of
+    127.0.0.1, with a thread per CPU it may run on unless ``args`` say otherwise
+    (``--threads N``); started on CPU ``cpu`` alone (so with one thread), if given."""
+    command = [str(_built(build / "floor")), "--worker-id", str(worker_id), *args]
+    if cpu is not None:
+        command = ["taskset", "--cpu-list", str(cpu), *command]
+    return launch(name, command, NATIVE_FLOOR_READY, log_dir)
 
 
 def start_floor(name: str, log_dir: Path, transport: str = "framed") -> Server:
