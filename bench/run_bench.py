@@ -16,7 +16,7 @@ Measures, in one interleaved run on 127.0.0.1 only, each step bounded in time:
 - the same ``get_id`` loads pinned (16 and 64 connections; 4 too in a full run): each
   server's every thread on one CPU and the load generator on another, so that calls/s
   is what one core of the server does;
-- the servers' CPU time per call, from ``/proc`` over each server's process group during
+- the servers' CPU time per call, from ``/proc`` over each server's processes during
   the measured period, and the load generator's own, from its ``getrusage``; calls/s and
   CPU per call are also shown as ratios to Java's and to the floor's;
 - ``get_ids(4096)`` ids/s with 1 and 2 connections, next to one worker id's limit of
@@ -290,7 +290,7 @@ class Pinning:
 
     @contextmanager
     def server(self, server: Server) -> Iterator[None]:
-        """Every thread of ``server``'s process group on ``server_cpu`` meanwhile; then
+        """Every thread of ``server``'s processes on ``server_cpu`` meanwhile; then
         back on the CPUs this process may run on (which it started with)."""
         everywhere = os.sched_getaffinity(0)
         try:
@@ -301,7 +301,7 @@ class Pinning:
 
 
 def _set_affinity(server: Server, cpus: set[int]) -> None:
-    """``cpus`` for every thread of the group. Threads inherit their creator's, so one
+    """``cpus`` for every thread of the server's processes. Threads inherit their creator's, so one
     started while this runs may have missed it: again until a pass finds none to set."""
     for _ in range(5):
         changed = 0
@@ -680,7 +680,7 @@ def markdown(
         "",
         "Throughput: the median of the rounds, and the lowest and highest round. Latency: "
         "percentiles over every call of every round, timed by the load generator (the round "
-        "trip on 127.0.0.1). Server CPU: user + system time of the server's process group "
+        "trip on 127.0.0.1). Server CPU: user + system time of the server's processes "
         "during the measured period, per call. Client CPU: the load generator's, the same way.",
     ]
     if splits:

@@ -1,4 +1,4 @@
-"""The servers the benchmark measures, each in a process group of its own on 127.0.0.1.
+"""The servers the benchmark measures, each in a session of its own on 127.0.0.1.
 
 - ``start_ours``: ``snowflake-server`` of the working tree (``python -m snowflake_server``);
 - ``start_baseline``: the same command on the server of an earlier commit, extracted by
@@ -13,7 +13,7 @@
 
 Each prints a ready line with ``thrift=HOST:PORT``; :func:`launch` reads it from the
 process's stdout (no polling) and copies everything the process writes to files in a
-log folder. :meth:`Server.cpu_seconds` sums the CPU time of the whole process group,
+log folder. :meth:`Server.cpu_seconds` sums the CPU time of the whole session,
 so that a server with child processes (``--processes 2``) is measured whole.
 """
 
@@ -57,7 +57,7 @@ class ServerFailed(RuntimeError):
 
 @dataclass
 class Server:
-    """A running server process, the leader of its own process group."""
+    """A running server process, the leader of its own session."""
 
     name: str
     process: subprocess.Popen[bytes]
@@ -77,12 +77,14 @@ class Server:
         return self.process.poll() is None
 
     def group(self) -> list[int]:
-        """The pids of the server's process group (its children too)."""
+        """The pids of the server's session: it and its children. By session, not process
+        group: the supervisor of ``--processes 2`` puts each child in a process group of
+        its own (so that a terminal's Ctrl-C reaches the supervisor alone)."""
         pids = []
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 fields = _stat_fields(entry.name)
-                if fields and int(fields[2]) == self.process.pid:
+                if fields and int(fields[3]) == self.process.pid:  # the session id
                     pids.append(int(entry.name))
         return pids
 
@@ -110,9 +112,12 @@ class Server:
                 self.process.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout_s)
-        # Whatever is left of the group (children of a multi-process server) goes too.
+        # Whatever is left of the session (children of a multi-process server) goes too.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
+        for pid in self.group():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(5.0)
         return self.process.returncode

@@ -21,8 +21,10 @@ from bench.servers import (
     start_baseline,
     start_floor,
     start_native_floor,
+    start_ours,
 )
 from tests.bench.native import assert_clean, loadgen
+from tests.support.waiting import wait_until
 
 
 def test_run_loadgen_reads_the_server_cpu_between_the_marks(
@@ -39,6 +41,19 @@ def test_run_loadgen_reads_the_server_cpu_between_the_marks(
     assert run.histogram.count == run.report["calls"] > 0
     # The floor's constant id: the load generator's errors reach the run.
     assert run.errors and any("not increasing" in e for e in run.errors), run.errors
+
+
+def test_a_server_is_measured_with_its_child_processes(tmp_path: Path) -> None:
+    """--processes 2 puts each child in a process group of its own: they are still the
+    server's, counted and pinned with it."""
+    server = start_ours("ours-2p", tmp_path / "logs", tmp_path / "state", "--processes", "2")
+    try:
+        wait_until(lambda: len(server.group()) == 3, "the supervisor and its two children")
+        children = [pid for pid in server.group() if pid != server.process.pid]
+        assert all(os.getpgid(pid) != server.process.pid for pid in children)
+    finally:
+        server.stop()
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in children)
 
 
 def _run(
