@@ -45,7 +45,7 @@ CLIENTS   ?= clients
 .PHONY: install lock dist system-deps stubs node-deps node-pack node-version node-version-check \
 	run check test test-fast coverage bench clean soak native native-sanitize \
 	prometheus-tools \
-	bench-deps bench-build bench-loadgen bench-anchors
+	bench-deps bench-build bench-loadgen bench-floor bench-anchors
 
 # --- install and run (issue 26, dist part) ----------------------------------------------------
 # make run installs what the server runs on (requirements/runtime.txt); make install and
@@ -325,8 +325,9 @@ native-sanitize: $(VENV)/.installed
 # costs the id path (bench/admin_scrape.py) and the asyncio client against
 # the sync pool, each printing its table. It installs
 # the toolchains it builds with, then builds into $(BENCH_BUILD) (git-ignored): the load
-# generator in C, and the Java and Go anchors from the stubs. The bench-* targets only
-# build (the tests build into folders of their own with BENCH_BUILD and CLIENTS).
+# generator and the floor (a C epoll server answering get_id: the anchor no server beats)
+# in C, and the Java and Go anchors from the stubs. The bench-* targets only build (the
+# tests build into folders of their own with BENCH_BUILD and CLIENTS).
 BENCH_ARGS  ?=
 BENCH_BUILD ?= bench/build
 BENCH_CFLAGS ?= -std=c11 -O2 -Wall -Wextra -Wpedantic -Wshadow -Wconversion -Wformat=2 \
@@ -349,13 +350,18 @@ bench: $(VENV)/.installed bench-deps
 bench-deps:
 	@$(MAKE) --no-print-directory system-deps TEST_TOOLS='$(BENCH_TOOLS)'
 
-bench-build: bench-loadgen bench-anchors
+bench-build: bench-loadgen bench-floor bench-anchors
 bench-loadgen: $(BENCH_BUILD)/loadgen
+bench-floor: $(BENCH_BUILD)/floor
 bench-anchors: $(BENCH_BUILD)/java/SnowflakeAnchor.class $(BENCH_BUILD)/anchor-go
 
 $(BENCH_BUILD)/loadgen: bench/native/loadgen.c
 	@mkdir -p $(@D)
 	$(CC) $(BENCH_CFLAGS) -pthread -o $@ $< -lm
+
+$(BENCH_BUILD)/floor: bench/native/floor.c
+	@mkdir -p $(@D)
+	$(CC) $(BENCH_CFLAGS) -pthread -o $@ $<
 
 $(STUBS_MADE): $(IDL)
 	$(MAKE) --no-print-directory stubs

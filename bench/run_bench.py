@@ -10,10 +10,15 @@ Measures, in one interleaved run on 127.0.0.1 only, each step bounded in time:
   (the working tree's server) with ``--processes 1`` and ``2`` (and with its default
   process count, when that is neither); the Java and Go anchors, Apache Thrift's
   ``TThreadPoolServer`` and ``TSimpleServer`` serving Twitter's IdWorker on our IDL
-  (``bench/anchors/``); and old, the server of ``--baseline-rev`` (the last release of
-  the thread-per-connection server), extracted with ``git archive``;
-- the servers' CPU time per call, from ``/proc`` over each server's process group during
-  the measured period, and the load generator's own, from its ``getrusage``;
+  (``bench/anchors/``); the floor, a C epoll server answering the fast path's ``get_id``
+  with no Python (``bench/native/floor.c``); and old, the server of ``--baseline-rev``
+  (the last release of the thread-per-connection server), extracted with ``git archive``;
+- the same ``get_id`` loads pinned (16 and 64 connections; 4 too in a full run): each
+  server's every thread on one CPU and the load generator on another, so that calls/s
+  is what one core of the server does;
+- the servers' CPU time per call, from ``/proc`` over each server's processes during
+  the measured period, and the load generator's own, from its ``getrusage``; calls/s and
+  CPU per call are also shown as ratios to Java's and to the floor's;
 - ``get_ids(4096)`` ids/s with 1 and 2 connections, next to one worker id's limit of
   4,096,000 ids/s;
 - the p99 of 4 active connections while 10,000 idle ones are open, on ours and the
@@ -33,6 +38,7 @@ copies the report to ``bench/results/latest.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -64,12 +70,16 @@ from bench.servers import (
     start_baseline,
     start_go_anchor,
     start_java_anchor,
+    start_native_floor,
     start_ours,
 )
 from tests.support.waiting import wait_until
 
 RESULTS = ROOT / "bench" / "results"
-JAVA, GO, OLD = "java", "go", "old"
+JAVA, GO, OLD, FLOOR = "java", "go", "old", "floor"
+FLOOR_WORKER_ID = 31  # above those of the others (contenders() counts up from 1)
+GET_ID_ONLY = frozenset({FLOOR})
+"""Servers that answer get_id and nothing else: the other configurations skip them."""
 AGENT = "bench"
 
 # The issue's targets (issue 11).
@@ -97,6 +107,9 @@ class Plan:
     idle_rounds: int
     server_warmup_s: float  # once per server before the first round (the JVM's JIT)
     connections: tuple[int, ...] = (1, 4, 16, 64)
+    pinned_connections: tuple[int, ...] = (4, 16, 64)
+    """get_id with the server on one CPU and the load generator on another (the issue's
+    per-core figures); empty: not measured."""
     batch_connections: tuple[int, ...] = (1, 2)
     batch: int = 4096
     idle: int = 10_000
@@ -109,7 +122,10 @@ class Plan:
 
 
 FULL = Plan(warmup_s=0.5, seconds=3.0, rounds=3, idle_rounds=2, server_warmup_s=2.0)
-QUICK = Plan(warmup_s=0.2, seconds=0.5, rounds=1, idle_rounds=1, server_warmup_s=0.5)
+QUICK = Plan(
+    warmup_s=0.2, seconds=0.5, rounds=1, idle_rounds=1, server_warmup_s=0.5,
+    pinned_connections=(16, 64),
+)  # fmt: skip
 
 
 # -- what runs -------------------------------------------------------------------------
@@ -134,12 +150,14 @@ class Config:
     connections: int
     count: int = 1
     idle: int = 0
+    pinned: bool = False
+    """The server on one CPU, the load generator on another (:class:`Pinning`)."""
 
     @property
     def key(self) -> str:
         call = "get_id" if self.method == "get_id" else f"get_ids({self.count})"
         idle = f" + {self.idle:,} idle" if self.idle else ""
-        return f"{call} x{self.connections}{idle}"
+        return f"{call} x{self.connections}{idle}{' pinned' if self.pinned else ''}"
 
 
 @dataclass
@@ -206,10 +224,15 @@ def loadgen_args(config: Config, plan: Plan, spread: int) -> list[str]:
     return args
 
 
-def run_loadgen(loadgen: Path, server: Server, args: list[str], timeout_s: float) -> Run:
-    """Run the load generator on ``server``; the server's CPU time is read from /proc as
-    the load generator marks the start and the end of its measured period."""
+def run_loadgen(
+    loadgen: Path, server: Server, args: list[str], timeout_s: float, *, on_cpu: int | None = None
+) -> Run:
+    """Run the load generator on ``server`` (on CPU ``on_cpu`` alone, if given); the
+    server's CPU time is read from /proc as the load generator marks the start and the
+    end of its measured period."""
     command = [str(loadgen), "--host", server.host, "--port", str(server.port), "--marks", *args]
+    if on_cpu is not None:  # taskset: pinned before its first thread starts
+        command = ["taskset", "--cpu-list", str(on_cpu), *command]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert process.stdout is not None and process.stderr is not None
     out, err = bytearray(), bytearray()
@@ -251,6 +274,48 @@ def run_loadgen(loadgen: Path, server: Server, args: list[str], timeout_s: float
     return Run(server.name, "", 0, report, histogram, server_cpu)  # named by the caller
 
 
+@dataclass(frozen=True)
+class Pinning:
+    """Where a pinned measurement runs: every thread of the server on ``server_cpu``, the
+    load generator on ``load_cpu``."""
+
+    server_cpu: int
+    load_cpu: int
+
+    @classmethod
+    def of_this_process(cls) -> Pinning | None:
+        """The first two CPUs this process may run on; None with fewer."""
+        cpus = sorted(os.sched_getaffinity(0))
+        return cls(cpus[0], cpus[1]) if len(cpus) >= 2 else None
+
+    @contextmanager
+    def server(self, server: Server) -> Iterator[None]:
+        """Every thread of ``server``'s processes on ``server_cpu`` meanwhile; then
+        back on the CPUs this process may run on (which it started with)."""
+        everywhere = os.sched_getaffinity(0)
+        try:
+            _set_affinity(server, {self.server_cpu})
+            yield
+        finally:
+            _set_affinity(server, everywhere)
+
+
+def _set_affinity(server: Server, cpus: set[int]) -> None:
+    """``cpus`` for every thread of the server's processes. Threads inherit their creator's, so one
+    started while this runs may have missed it: again until a pass finds none to set."""
+    for _ in range(5):
+        changed = 0
+        for pid in server.group():
+            with contextlib.suppress(OSError):  # a process gone meanwhile
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(OSError):  # a thread that just ended
+                        if os.sched_getaffinity(int(task)) != cpus:
+                            os.sched_setaffinity(int(task), cpus)
+                            changed += 1
+        if not changed:
+            return
+
+
 def _rotated(names: Sequence[str], shift: int) -> list[str]:
     shift %= len(names)
     return [*names[shift:], *names[:shift]]
@@ -260,12 +325,20 @@ class Bench:
     """The servers of one run, the load generator, and every run's result."""
 
     def __init__(
-        self, plan: Plan, loadgen: Path, servers: dict[str, Server], spread: dict[str, int]
+        self,
+        plan: Plan,
+        loadgen: Path,
+        servers: dict[str, Server],
+        spread: dict[str, int],
+        pinning: Pinning | None = None,
     ) -> None:
         self.plan = plan
         self.loadgen = loadgen
         self.servers = servers
         self.spread = spread
+        self.pinning = pinning
+        self.pinned_servers: dict[str, Server] = {}
+        """Started for the pinned measurements in place of the server of that name."""
         self.runs: list[Run] = []
 
     def measure(self, name: str, config: Config, round_: int, *, plan: Plan | None = None) -> Run:
@@ -273,12 +346,20 @@ class Bench:
         without errors."""
         plan = plan or self.plan
         server = self.servers[name]
+        if config.pinned:
+            server = self.pinned_servers.get(name, server)
         if not server.alive():
             code = server.process.poll()
             raise ServerFailed(f"{name} exited (code {code}):\n{server.log_tail()}")
         args = loadgen_args(config, plan, self.spread.get(name, 1))
         bound = plan.warmup_s + plan.seconds + 60 + config.idle / 200
-        run = run_loadgen(self.loadgen, server, args, bound)
+        if config.pinned:
+            if self.pinning is None:
+                raise BenchError("a pinned measurement needs two CPUs")
+            with self.pinning.server(server):
+                run = run_loadgen(self.loadgen, server, args, bound, on_cpu=self.pinning.load_cpu)
+        else:
+            run = run_loadgen(self.loadgen, server, args, bound)
         run = replace(run, server=name, key=config.key, round=round_)
         keep = round_ > 0 or bool(run.errors)  # a server that errs in its warm-up: say so
         if keep:
@@ -311,6 +392,8 @@ class Bench:
             print(f"round {round_} of {rounds}", flush=True)
             for config in configs:
                 for name in _rotated(names, round_ - 1):
+                    if config.method != "get_id" and name in GET_ID_ONLY:
+                        continue
                     files = self.servers[name].open_files()
                     self.measure(name, config, round_)
                     if config.idle:
@@ -537,18 +620,24 @@ def markdown(
         "",
         "## get_id",
         "",
-        "| connections | server | calls/s (median) | rounds | vs java | vs old "
-        "| p50 / p99 / p999 µs | server CPU µs/call | client CPU µs/call |",
-        "|--:|---|--:|--:|--:|--:|--:|--:|--:|",
+        "Ratios: calls/s, and server CPU per call, to those of java and of the floor in the "
+        "same configuration.",
+        "",
+        "| connections | server | calls/s (median) | rounds | vs java | vs floor | vs old "
+        "| p50 / p99 / p999 µs | server CPU µs/call | CPU vs java | CPU vs floor "
+        "| client CPU µs/call |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for n in plan.connections:
         rows = summaries(bench, Config("get_id", n))
         for name, row in rows.items():
             lines.append(
                 f"| {n} | {name} | {row.median:,.0f} | {row.span} | {_vs(row, rows, JAVA)} "
-                f"| {_vs(row, rows, OLD)} | {_percentiles(row)} | {_cpu(row.server_cpu_us)} "
-                f"| {row.client_cpu_us:.1f} |"
+                f"| {_vs(row, rows, FLOOR)} | {_vs(row, rows, OLD)} | {_percentiles(row)} "
+                f"| {_cpu(row.server_cpu_us)} | {_cpu_vs(row, rows, JAVA)} "
+                f"| {_cpu_vs(row, rows, FLOOR)} | {row.client_cpu_us:.1f} |"
             )
+    lines += pinned_section(meta, bench, plan)
     lines += [
         "",
         f"## get_ids({plan.batch})",
@@ -591,7 +680,7 @@ def markdown(
         "",
         "Throughput: the median of the rounds, and the lowest and highest round. Latency: "
         "percentiles over every call of every round, timed by the load generator (the round "
-        "trip on 127.0.0.1). Server CPU: user + system time of the server's process group "
+        "trip on 127.0.0.1). Server CPU: user + system time of the server's processes "
         "during the measured period, per call. Client CPU: the load generator's, the same way.",
     ]
     if splits:
@@ -610,6 +699,41 @@ def markdown(
 def _vs(row: Summary, rows: dict[str, Summary], base: str) -> str:
     other = rows.get(base)
     return f"{row.median / other.median:.2f} x" if other and other.median else "-"
+
+
+def _cpu_vs(row: Summary, rows: dict[str, Summary], base: str) -> str:
+    other = rows.get(base)
+    mine, theirs = row.server_cpu_us, other.server_cpu_us if other else None
+    return f"{mine / theirs:.2f} x" if mine is not None and theirs else "-"
+
+
+def pinned_section(meta: dict[str, Any], bench: Bench, plan: Plan) -> list[str]:
+    """The pinned get_id table (or why there is none)."""
+    if not plan.pinned_connections:
+        return []
+    lines = [
+        "",
+        "## get_id, pinned: the server on one CPU, the load generator on another",
+        "",
+    ]
+    if not meta.get("pinning"):
+        return [*lines, f"Not measured: {meta.get('pinned_note') or 'not asked for'}."]
+    lines += [
+        f"{meta['pinning']}. Calls/s is then what one core of the server does; ratios as above.",
+        "",
+        "| connections | server | calls/s (median) | rounds | vs java | vs floor "
+        "| p50 / p99 / p999 µs | server CPU µs/call | CPU vs java | CPU vs floor |",
+        "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for n in plan.pinned_connections:
+        rows = summaries(bench, Config("get_id", n, pinned=True))
+        for name, row in rows.items():
+            lines.append(
+                f"| {n} | {name} | {row.median:,.0f} | {row.span} | {_vs(row, rows, JAVA)} "
+                f"| {_vs(row, rows, FLOOR)} | {_percentiles(row)} | {_cpu(row.server_cpu_us)} "
+                f"| {_cpu_vs(row, rows, JAVA)} | {_cpu_vs(row, rows, FLOOR)} |"
+            )
+    return lines
 
 
 def _percentiles(row: Summary) -> str:
@@ -676,6 +800,10 @@ def contenders(
     if OLD in selected:
         out.append(Contender(OLD, f"the threaded server of {baseline_rev} (before)", 1,
                              _old(baseline_rev, worker + 2)))  # fmt: skip
+    if FLOOR in selected:
+        label = "the floor: a C epoll server answering get_id, no Python"
+        start = _anchor(start_native_floor, FLOOR, build, FLOOR_WORKER_ID)
+        out.append(Contender(FLOOR, label, 1, start))
     return out
 
 
@@ -687,6 +815,16 @@ def _anchor(
     start: Callable[[str, Path, Path, int], Server], name: str, build: Path, worker: int
 ) -> Callable[[Path], Server]:
     return lambda work: start(name, work / "logs", build, worker)
+
+
+def start_pinned_floor(work: Path, build: Path, pinning: Pinning) -> Server:
+    """A floor started on the server's CPU, so with one thread: two threads sharing one
+    CPU would switch between them, a cost no one-core server needs to pay. Its worker id
+    is the floor's: the two never serve the same load generator."""
+    print(f"  starting {FLOOR} on CPU {pinning.server_cpu}, for the pinned runs", flush=True)
+    return start_native_floor(
+        f"{FLOOR}-pinned", work / "logs", build, FLOOR_WORKER_ID, cpu=pinning.server_cpu
+    )
 
 
 def _old(rev: str, worker: int) -> Callable[[Path], Server]:
@@ -712,7 +850,7 @@ def running(contenders_: Sequence[Contender], work: Path) -> Iterator[dict[str, 
         yield servers
 
 
-SERVER_NAMES = ("ours-1p", "ours-2p", JAVA, GO, OLD)
+SERVER_NAMES = ("ours-1p", "ours-2p", JAVA, GO, FLOOR, OLD)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -721,6 +859,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, help="measured seconds per run (full: 3)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (full: 3)")
     parser.add_argument("--idle", type=int, help="idle connections (default 10,000; 0: skip)")
+    parser.add_argument(
+        "--no-pinned", action="store_true", help="skip the pinned get_id measurements"
+    )
     parser.add_argument(
         "--servers",
         default=",".join(SERVER_NAMES),
@@ -755,6 +896,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = replace(plan, rounds=args.rounds)
     if args.idle is not None:
         plan = replace(plan, idle=args.idle)
+    if args.no_pinned:
+        plan = replace(plan, pinned_connections=())
     loadgen = args.build / "loadgen"
     if not loadgen.exists():
         print(f"{loadgen} is missing: build it with `make bench-build`", file=sys.stderr)
@@ -763,6 +906,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     default_processes, default_max_connections = ours_defaults() if ours_selected else (1, 0)
     default, one = f"ours-{default_processes}p", "ours-1p"
     idle_note = raise_file_limit(plan.connections_needed) if plan.idle else "skipped"
+    pinning = Pinning.of_this_process() if plan.pinned_connections else None
+    if plan.pinned_connections and pinning is None:
+        plan = replace(plan, pinned_connections=())
 
     started = time.monotonic()
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
@@ -781,6 +927,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "default_processes": default_processes,
         "load_before": _load_avg(),
         "idle_note": idle_note,
+        "pinning": pinning
+        and f"Every thread of the server on CPU {pinning.server_cpu}, the load generator on "
+        f"CPU {pinning.load_cpu}"
+        + (
+            "; the floor is one started on that CPU, so with one thread"
+            if FLOOR in args.selected
+            else ""
+        ),
+        "pinned_note": "" if pinning or args.no_pinned else "this process may run on one CPU",
     }
     print(f"results: {out_dir}", flush=True)
     specs = contenders(plan, args.selected, args.baseline_rev, args.build, default_processes)
@@ -791,14 +946,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = [
         *(Config("get_id", n) for n in plan.connections),
         *(Config("get_ids", n, plan.batch) for n in plan.batch_connections),
+        *(Config("get_id", n, pinned=True) for n in plan.pinned_connections),
     ]
     failed = ""
     with tempfile.TemporaryDirectory(prefix="snowflake-bench-") as tmp:
         work = Path(tmp)
-        bench = Bench(plan, loadgen, {}, spread)
+        bench = Bench(plan, loadgen, {}, spread, pinning)
         try:
-            with running(specs, work) as servers:
+            with running(specs, work) as servers, ExitStack() as twins:
                 bench.servers = servers
+                if pinning and plan.pinned_connections and FLOOR in servers:
+                    floor = start_pinned_floor(work, args.build, pinning)
+                    twins.callback(floor.stop)
+                    bench.pinned_servers[FLOOR] = floor
                 bench.warm_up()
                 bench.rounds(list(servers), configs, plan.rounds)
                 if not idle_note:

@@ -1,4 +1,4 @@
-"""The servers the benchmark measures, each in a process group of its own on 127.0.0.1.
+"""The servers the benchmark measures, each in a session of its own on 127.0.0.1.
 
 - ``start_ours``: ``snowflake-server`` of the working tree (``python -m snowflake_server``);
 - ``start_baseline``: the same command on the server of an earlier commit, extracted by
@@ -6,12 +6,14 @@
 - ``start_java_anchor`` and ``start_go_anchor``: Apache Thrift's ``TThreadPoolServer``
   and ``TSimpleServer`` serving Twitter's IdWorker (``bench/anchors/``), built by
   ``make bench-build`` into ``bench/build/``;
+- ``start_native_floor``: the floor, ``bench/native/floor.c`` built into ``bench/build/``:
+  a C epoll server answering the fast path's ``get_id`` and nothing else, no Python;
 - ``start_floor``: the bare thriftpy2 server of ``floor_server.py``, which returns a
   constant id (the tests use it to prove that the load generator's checks bite).
 
 Each prints a ready line with ``thrift=HOST:PORT``; :func:`launch` reads it from the
 process's stdout (no polling) and copies everything the process writes to files in a
-log folder. :meth:`Server.cpu_seconds` sums the CPU time of the whole process group,
+log folder. :meth:`Server.cpu_seconds` sums the CPU time of the whole session,
 so that a server with child processes (``--processes 2``) is measured whole.
 """
 
@@ -39,6 +41,7 @@ BUILD = ROOT / "bench" / "build"
 FLOOR_SCRIPT = ROOT / "bench" / "floor_server.py"
 FLOOR_READY = "floor-server ready"
 ANCHOR_READY = "anchor ready"
+NATIVE_FLOOR_READY = "native-floor ready"
 BASELINE_REV = "ec6aa28"
 """The last commit of the thread-per-connection server, before the event-loop one."""
 JAVA_LIBS = ("/usr/share/java/thrift.jar", "/usr/share/java/slf4j-nop.jar")
@@ -54,7 +57,7 @@ class ServerFailed(RuntimeError):
 
 @dataclass
 class Server:
-    """A running server process, the leader of its own process group."""
+    """A running server process, the leader of its own session."""
 
     name: str
     process: subprocess.Popen[bytes]
@@ -74,12 +77,14 @@ class Server:
         return self.process.poll() is None
 
     def group(self) -> list[int]:
-        """The pids of the server's process group (its children too)."""
+        """The pids of the server's session: it and its children. By session, not process
+        group: the supervisor of ``--processes 2`` puts each child in a process group of
+        its own (so that a terminal's Ctrl-C reaches the supervisor alone)."""
         pids = []
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 fields = _stat_fields(entry.name)
-                if fields and int(fields[2]) == self.process.pid:
+                if fields and int(fields[3]) == self.process.pid:  # the session id
                     pids.append(int(entry.name))
         return pids
 
@@ -107,9 +112,12 @@ class Server:
                 self.process.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout_s)
-        # Whatever is left of the group (children of a multi-process server) goes too.
+        # Whatever is left of the session (children of a multi-process server) goes too.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
+        for pid in self.group():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(5.0)
         return self.process.returncode
@@ -286,6 +294,18 @@ def start_go_anchor(name: str, log_dir: Path, build: Path, worker_id: int) -> Se
     """The Go anchor (``TSimpleServer``) built into ``build/anchor-go``."""
     command = [str(_built(build / "anchor-go")), "--worker-id", str(worker_id)]
     return launch(name, command, ANCHOR_READY, log_dir)
+
+
+def start_native_floor(
+    name: str, log_dir: Path, build: Path, worker_id: int, *args: str, cpu: int | None = None
+) -> Server:
+    """The floor (``bench/native/floor.c``) built into ``build/floor``, on a free port of
+    127.0.0.1, with a thread per CPU it may run on unless ``args`` say otherwise
+    (``--threads N``); started on CPU ``cpu`` alone (so with one thread), if given."""
+    command = [str(_built(build / "floor")), "--worker-id", str(worker_id), *args]
+    if cpu is not None:
+        command = ["taskset", "--cpu-list", str(cpu), *command]
+    return launch(name, command, NATIVE_FLOOR_READY, log_dir)
 
 
 def start_floor(name: str, log_dir: Path, transport: str = "framed") -> Server:

@@ -11,13 +11,27 @@ from tests.bench.native import REPO, make, require
 
 
 @pytest.fixture(scope="session")
-def loadgen_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def bench_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder the C programs are built into, one for the session (as bench/build/)."""
+    return tmp_path_factory.mktemp("bench-build")
+
+
+@pytest.fixture(scope="session")
+def loadgen_binary(bench_build: Path) -> Path:
     """bench/native/loadgen.c built by ``make bench-loadgen``, which must warn of nothing."""
     require("cc", "gcc")
-    build = tmp_path_factory.mktemp("bench-build")
-    output = make("bench-loadgen", f"BENCH_BUILD={build}")
+    output = make("bench-loadgen", f"BENCH_BUILD={bench_build}")
     assert output == "", f"the C compiler warned:\n{output}"
-    return build / "loadgen"
+    return bench_build / "loadgen"
+
+
+@pytest.fixture(scope="session")
+def floor_binary(bench_build: Path) -> Path:
+    """bench/native/floor.c built by ``make bench-floor``, which must warn of nothing."""
+    require("cc", "gcc")
+    output = make("bench-floor", f"BENCH_BUILD={bench_build}")
+    assert output == "", f"the C compiler warned:\n{output}"
+    return bench_build / "floor"
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,8 @@ marks, the targets' verdicts, the previous release extracted from git, a whole r
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -11,15 +13,18 @@ import pytest
 
 from bench import run_bench
 from bench.loadgen import Histogram
-from bench.run_bench import Bench, Config, Plan, Run, checks, run_loadgen
+from bench.run_bench import Bench, Config, Pinning, Plan, Run, checks, markdown, run_loadgen
 from bench.servers import (
     BASELINE_REV,
     ServerFailed,
     extract_baseline,
     start_baseline,
     start_floor,
+    start_native_floor,
+    start_ours,
 )
 from tests.bench.native import assert_clean, loadgen
+from tests.support.waiting import wait_until
 
 
 def test_run_loadgen_reads_the_server_cpu_between_the_marks(
@@ -38,7 +43,28 @@ def test_run_loadgen_reads_the_server_cpu_between_the_marks(
     assert run.errors and any("not increasing" in e for e in run.errors), run.errors
 
 
-def _run(server: str, key: str, rate: float, *, latency_us: float = 100.0, **extra: Any) -> Run:
+def test_a_server_is_measured_with_its_child_processes(tmp_path: Path) -> None:
+    """--processes 2 puts each child in a process group of its own: they are still the
+    server's, counted and pinned with it."""
+    server = start_ours("ours-2p", tmp_path / "logs", tmp_path / "state", "--processes", "2")
+    try:
+        wait_until(lambda: len(server.group()) == 3, "the supervisor and its two children")
+        children = [pid for pid in server.group() if pid != server.process.pid]
+        assert all(os.getpgid(pid) != server.process.pid for pid in children)
+    finally:
+        server.stop()
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in children)
+
+
+def _run(
+    server: str,
+    key: str,
+    rate: float,
+    *,
+    latency_us: float = 100.0,
+    cpu_us: float = 12.0,
+    **extra: Any,
+) -> Run:
     calls = int(rate)
     report = {
         "calls_per_s": rate, "ids_per_s": rate * extra.pop("count", 1), "calls": calls,
@@ -46,7 +72,7 @@ def _run(server: str, key: str, rate: float, *, latency_us: float = 100.0, **ext
         "connections_by_worker": {}, **extra,
     }  # fmt: skip
     histogram = Histogram.of([latency_us / 1e6] * calls)
-    return Run(server, key, 1, report, histogram, server_cpu_s=calls * 12e-6)
+    return Run(server, key, 1, report, histogram, server_cpu_s=calls * cpu_us * 1e-6)
 
 
 PLAN = Plan(warmup_s=0.1, seconds=1.0, rounds=1, idle_rounds=1, server_warmup_s=0.1)
@@ -102,6 +128,90 @@ def test_loadgen_args_spread_only_what_divides() -> None:
     assert batch[batch.index("--count") + 1] == "4096" and "--idle" in batch
 
 
+def _report(runs: list[Run], plan: Plan, **meta: Any) -> list[str]:
+    bench = Bench(plan, Path("loadgen"), {}, {})
+    bench.runs = runs
+    base = {"time": "now", "machine": "m", "load_before": "0", "load_after": "0",
+            "mode": "quick", "settings": "s", "ours": "x", "baseline_rev": "y"}  # fmt: skip
+    return markdown(base | meta, bench, plan, {}, []).splitlines()
+
+
+def test_the_report_shows_ratios_to_java_and_to_the_floor_pinned_and_not() -> None:
+    plan = replace(PLAN, connections=(16,), pinned_connections=(16,), batch_connections=())
+    x16, pinned = Config("get_id", 16).key, Config("get_id", 16, pinned=True).key
+    assert pinned == "get_id x16 pinned"
+    runs = [
+        _run("ours-1p", x16, 60_000, cpu_us=9.0),
+        _run("java", x16, 40_000, cpu_us=12.0),
+        _run("floor", x16, 80_000, cpu_us=6.0),
+        _run("ours-1p", pinned, 30_000, cpu_us=10.0),
+        _run("floor", pinned, 60_000, cpu_us=8.0),
+    ]
+    lines = _report(runs, plan, pinning="Every thread of the server on CPU 0, the load ...")
+    rows = [line for line in lines if line.startswith("| 16 |")]
+    # calls/s vs java, vs floor, vs old; server CPU; CPU vs java, vs floor
+    assert rows[0].startswith("| 16 | ours-1p | 60,000 | - | 1.50 x | 0.75 x | - |")
+    assert rows[0].endswith("| 9.0 | 0.75 x | 1.50 x | 10.0 |")
+    assert rows[2].startswith("| 16 | floor | 80,000 | - | 2.00 x | 1.00 x | - |")
+    assert rows[2].endswith("| 6.0 | 0.50 x | 1.00 x | 10.0 |")
+    # The pinned table, after its heading: no java there, so no ratio to it.
+    heading = lines.index("## get_id, pinned: the server on one CPU, the load generator on another")
+    assert lines[heading + 2].startswith("Every thread of the server on CPU 0")
+    assert rows[3:] == [
+        "| 16 | ours-1p | 30,000 | - | - | 0.50 x | 100 / 100 / 100 | 10.0 | - | 1.25 x |",
+        "| 16 | floor | 60,000 | - | - | 1.00 x | 100 / 100 / 100 | 8.0 | - | 1.00 x |",
+    ]
+    assert rows.index(rows[3]) > 2 and lines.index(rows[3]) > heading
+
+
+def test_a_report_without_pinned_runs_says_why() -> None:
+    plan = replace(PLAN, pinned_connections=(16,))
+    lines = _report([], plan, pinned_note="this process may run on one CPU")
+    assert "Not measured: this process may run on one CPU." in lines
+    assert not any("pinned" in line for line in _report([], replace(plan, pinned_connections=())))
+
+
+def test_pinning_moves_every_thread_of_a_server_and_back(
+    floor_binary: Path, tmp_path: Path
+) -> None:
+    everywhere = os.sched_getaffinity(0)
+    cpu = max(everywhere)
+    server = start_native_floor("floor", tmp_path, floor_binary.parent, 1, "--threads", "3")
+    tasks = [int(t) for t in os.listdir(f"/proc/{server.process.pid}/task")]
+    try:
+        assert len(tasks) == 3
+        with Pinning(server_cpu=cpu, load_cpu=cpu).server(server):
+            assert all(os.sched_getaffinity(task) == {cpu} for task in tasks)
+        assert all(os.sched_getaffinity(task) == everywhere for task in tasks)
+    finally:
+        server.stop()
+
+
+def test_a_whole_run_on_the_floor(
+    loadgen_binary: Path, floor_binary: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A short run on the floor alone: get_id only (it serves nothing else), pinned too,
+    on a second floor started on the server's CPU."""
+    assert loadgen_binary.parent == floor_binary.parent
+    code = run_bench.main(
+        ["--quick", "--servers", "floor", "--seconds", "0.1", "--idle", "0",
+         "--build", str(loadgen_binary.parent), "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    [folder] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    report = json.loads((folder / "results.json").read_text())
+    keys = {(run["server"], run["key"]) for run in report["runs"]}
+    assert keys == {("floor", f"get_id x{n}") for n in (1, 4, 16, 64)} | {
+        ("floor", f"get_id x{n} pinned") for n in (16, 64)
+    }
+    assert all(run["errors"] == 0 and run["server_cpu_s"] is not None for run in report["runs"])
+    node = f"0/{run_bench.FLOOR_WORKER_ID}"
+    assert all(run["connections_by_worker"] == {node: run["connections"]} for run in report["runs"])
+    text = (folder / "results.md").read_text()
+    assert "| 64 | floor |" in text and "## get_id, pinned" in text
+    assert (folder / "logs" / "floor-pinned.out").read_text().count("threads=1") == 1
+
+
 @pytest.mark.slow
 def test_the_baseline_runs_from_git(loadgen_binary: Path, tmp_path: Path) -> None:
     source = extract_baseline(BASELINE_REV, tmp_path / "baseline")
@@ -134,9 +244,11 @@ def test_a_whole_run(
     assert "## Targets" in text and "| 64 | old |" in text and "| 2 | old |" in text
     report = json.loads((folder / "results.json").read_text())
     keys = {(run["server"], run["key"]) for run in report["runs"]}
-    assert keys == {("old", f"get_id x{n}") for n in (1, 4, 16, 64)} | {
-        ("old", f"get_ids(4096) x{n}") for n in (1, 2)
-    }
+    assert keys == (
+        {("old", f"get_id x{n}") for n in (1, 4, 16, 64)}
+        | {("old", f"get_ids(4096) x{n}") for n in (1, 2)}
+        | {("old", f"get_id x{n} pinned") for n in (16, 64)}  # a quick run's pinned ones
+    )
     assert all(run["errors"] == 0 and run["server_cpu_s"] is not None for run in report["runs"])
     # Ours is not in this run; the load generator's own cost is measured on any server.
     verdicts = {t["target"].split(",")[0]: t["verdict"] for t in report["targets"]}
