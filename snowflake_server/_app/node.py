@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -110,6 +111,9 @@ def standalone(
         settings.worker, settings.worker_number, clock=clock, wait=waits_until(stopping)
     )
     defer(worker.close)  # the first close registered: it runs last
+    state = worker.native_state
+    if state is not None:
+        state.set_gate(math.inf)  # no session to prove: open until the worker is sealed
     return Mode(
         source=worker.generator,
         collectors=[worker.reservation],

@@ -24,17 +24,31 @@ deadline runs out by itself, whatever the session state says.
 
 The gate knows nothing of leasing or of the layout; ``membership.Cluster`` composes
 them. Safe from any thread (kazoo's, the reservation's, the supervision's).
+
+**The native state's copy.** Native threads serve from the worker's native generator state
+without Python, so they cannot ask the gate: the gate writes its deadline into the state
+(:meth:`SessionGate.attach`), under the state's mutex, whenever the deadline changes, and
+each change is there before the call that made it returns. The copy is written outside the
+gate's lock, reading the deadline current then (with the state's mutex held): a write that
+waited for the mutex carries the newest deadline, never the one of its own change, so
+writes that cross cannot leave an older deadline behind a newer one. A thread that holds
+the state already (a clock-sequence switch's mark write, refused, closes the gate) writes in
+place. The deadline is on the gate's clock, which native threads read as CLOCK_BOOTTIME:
+the default clock.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._ids.clocks import boot_clock
 from .session import GrantedTimeout
 from .zk import OP_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from .._native._core import GeneratorState
 
 __all__ = ["OPEN_FRACTION", "UNREACHABLE", "Heartbeat", "SessionGate"]
 
@@ -72,6 +86,7 @@ class SessionGate:
         self._held: str | None = None
         self.last_contact = float("-inf")
         """When the last confirmed heartbeat was sent (the gate's clock)."""
+        self._native: GeneratorState | None = None
 
     # -- what callers read ------------------------------------------------------
 
@@ -117,6 +132,7 @@ class SessionGate:
             self._open_until = float("-inf")
             if reason is not None:
                 self._reason = reason
+        self._copy()
 
     def registering(self) -> int:
         """Note a registration about to start; hand the token to :meth:`reopen`."""
@@ -142,12 +158,48 @@ class SessionGate:
                 self._closures += 1
                 self._open_until = float("-inf")
                 self._reason = reason
+        if reason is not None:
+            self._copy()
 
     def unreachable(self) -> None:
         """ZooKeeper is out of reach (``SUSPENDED``): nothing closes, but once the deadline
         passes calls are told why."""
         with self._lock:
             self._reason = UNREACHABLE
+
+    # -- the native state's copy (see the module docstring) ---------------------------
+
+    def attach(self, state: GeneratorState | None) -> None:
+        """Keep ``state``'s gate (a worker's native generator state) the copy of this
+        one's from now on, starting with the deadline now; None: stop (``state`` keeps
+        the last copy: close the gate before detaching it)."""
+        with self._lock:
+            self._native = state
+        self._copy()
+
+    @property
+    def attached(self) -> GeneratorState | None:
+        """The native state whose gate copies this one's (None: none)."""
+        return self._native
+
+    def _copy(self) -> None:
+        """Write the deadline current now into the attached native state."""
+        state = self._native
+        if state is None:
+            return
+        if state.held():
+            self._write(state)
+        else:
+            with state:
+                self._write(state)
+
+    def _write(self, state: GeneratorState) -> None:
+        # With the state's mutex held, so the newest deadline is what a copy writes.
+        until = self._open_until
+        if until == float("-inf"):
+            state.close()
+        else:
+            state.set_gate(until)
 
     # -- the proof --------------------------------------------------------------
 
@@ -168,7 +220,8 @@ class SessionGate:
                 return False
             self._open_until = beat.sent + OPEN_FRACTION * timeout_s
             self._reason = UNREACHABLE
-            return True
+        self._copy()
+        return True
 
     def heartbeat(self, client: Any, node: str, granted: GrantedTimeout) -> bool:
         """Read ``node`` (our registration) and :meth:`confirm` what ZooKeeper says.

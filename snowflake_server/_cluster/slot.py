@@ -2,7 +2,9 @@
 session gate is open.
 
 The worker in it changes when the node registers again under another worker id; the
-gate (``gate.py``) alone decides whether ids may be handed out.
+gate (``gate.py``) alone decides whether ids may be handed out. A worker whose generator
+state is native has the gate's deadline copied into that state while it is installed, for
+native threads; calls through the slot check the gate themselves.
 """
 
 from __future__ import annotations
@@ -44,17 +46,20 @@ class WorkerSlot:
         with self._lock:
             assert self._worker is None, "retire the old worker first"
             self._worker = worker
+        self.gate.attach(worker.native_state)
 
     def retire(self, reason: str | None = None) -> Worker | None:
         """Close the gate (calls are told ``reason``; None: the reason already given) and
         the worker (its exact final mark is written), and take it out: the next worker
         serves only once a new registration is proven. Its ids keep counting in
-        :meth:`counters`."""
-        self.gate.close(reason)
+        :meth:`counters`. A native state is closed, then sealed, before this returns:
+        the next worker's state is made only after."""
+        self.gate.close(reason)  # the native state's copy too
         worker = self._worker
         if worker is None:
             return None
         worker.close()  # sealed: its counters are final
+        self.gate.attach(None)
         with self._lock:
             self._worker = None
             self._retired += worker.generator.counters()

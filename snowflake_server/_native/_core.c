@@ -319,6 +319,9 @@ GeneratorState_next_id_now(GeneratorState *self, PyObject *Py_UNUSED(ignored))
     return id_or_none(id);
 }
 
+/* set_gate and close from a Python thread that holds the mutex already write in place: a
+ * clock-sequence switch writes its marks with the state held, and a write ZooKeeper refuses
+ * closes the session gate from inside it. */
 static PyObject *
 GeneratorState_set_gate(GeneratorState *self, PyObject *arg)
 {
@@ -330,25 +333,38 @@ GeneratorState_set_gate(GeneratorState *self, PyObject *arg)
         PyErr_SetString(PyExc_ValueError, "the gate's deadline is NaN");
         return NULL;
     }
-    if (lock_from_python(self) < 0) {
+    int held = held_by_this_thread(self);
+    if (!held && lock_from_python(self) < 0) {
         return NULL;
     }
     self->gate_open = 1;
     self->gate_until = until;
-    pthread_mutex_unlock(&self->mutex);
+    if (!held) {
+        pthread_mutex_unlock(&self->mutex);
+    }
     Py_RETURN_NONE;
 }
 
 static PyObject *
 GeneratorState_close(GeneratorState *self, PyObject *Py_UNUSED(ignored))
 {
-    if (lock_from_python(self) < 0) {
+    int held = held_by_this_thread(self);
+    if (!held && lock_from_python(self) < 0) {
         return NULL;
     }
     self->gate_open = 0;
     self->gate_until = -INFINITY;
-    pthread_mutex_unlock(&self->mutex);
+    if (!held) {
+        pthread_mutex_unlock(&self->mutex);
+    }
     Py_RETURN_NONE;
+}
+
+/* Whether the calling Python thread holds the mutex (through acquire()). */
+static PyObject *
+GeneratorState_held(GeneratorState *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyBool_FromLong(held_by_this_thread(self));
 }
 
 /* The concurrent tests' native thread: `n` fast calls on the real clocks with the GIL
@@ -524,6 +540,8 @@ static PyMethodDef GeneratorState_methods[] = {
      "Open the gate until this boot-clock second (CLOCK_BOOTTIME)."},
     {"close", (PyCFunction)GeneratorState_close, METH_NOARGS,
      "Close the gate: every fast call is SLOW until set_gate."},
+    {"held", (PyCFunction)GeneratorState_held, METH_NOARGS,
+     "Whether the calling thread holds the mutex (set_gate and close then write in place)."},
     {"spin", (PyCFunction)GeneratorState_spin, METH_VARARGS,
      "spin(n, slow): n fast calls without the GIL, slow() for each SLOW one (tests)."},
     {NULL, NULL, 0, NULL},

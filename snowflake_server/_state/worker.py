@@ -10,24 +10,41 @@ mode serves it from a slot (``_cluster/slot.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .._config.settings import WorkerSettings
 from .._ids.clocks import pause
 from .._ids.generator import (
     IdGenerator,
+    NativeStateIdGenerator,
     pick_clock_sequence,
 )
+from .._native import native_core
 from .hostlock import HostLock
 from .reservation import RESERVE_AHEAD_MS, MarkStore, Reservation, wait_for_clock
 from .statefile import StateFile
 
-__all__ = ["Worker"]
+if TYPE_CHECKING:
+    from .._native._core import GeneratorState
+
+__all__ = ["Worker", "generator_class"]
 
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def generator_class() -> type[IdGenerator]:
+    """The generator every worker of this process gets: on the native state where the
+    native core is there (said once), else the pure-Python one (``native_core`` says why)."""
+    if native_core() is None:
+        return IdGenerator
+    log.info("native generator state: each worker's ids come from one state in the native core")
+    return NativeStateIdGenerator
 
 
 @dataclass(eq=False)
@@ -45,6 +62,13 @@ class Worker:
     @property
     def worker_id(self) -> int:
         return self.generator.settings.worker_id
+
+    @property
+    def native_state(self) -> GeneratorState | None:
+        """The generator's native state (None: pure Python): its gate starts closed;
+        whoever serves the worker opens it (the session gate, or standalone mode)."""
+        generator = self.generator
+        return generator.native_state if isinstance(generator, NativeStateIdGenerator) else None
 
     @classmethod
     def open(
@@ -120,7 +144,7 @@ class Worker:
             reservation = Reservation(stores, clock, clock_sequence=value)
             # Until the first reservation is stored the ceiling is the resume point:
             # no id can be stamped with a time that is not reserved.
-            generator = IdGenerator(
+            generator = generator_class()(
                 settings.generator(worker_id),
                 clock=clock,
                 sleep=sleep,
