@@ -7,7 +7,9 @@ the heartbeat that feeds it is driven against a real ZooKeeper.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import settings
@@ -17,8 +19,13 @@ from kazoo.client import KazooClient
 
 from snowflake_server._cluster.gate import OPEN_FRACTION, UNREACHABLE, Heartbeat, SessionGate
 from snowflake_server._cluster.session import GrantedTimeout, watch_granted_timeout
+from snowflake_server._native import native_core
 from tests.support.fakes import SecondsClock
+from tests.support.waiting import wait_until
 from tests.support.zookeeper import ZooKeeper
+
+if TYPE_CHECKING:
+    from snowflake_server._native._core import GeneratorState
 
 TIMEOUT = 4.0
 
@@ -270,3 +277,86 @@ def test_a_heartbeat_of_a_session_whose_granted_timeout_is_unknown_proves_nothin
     assert not gate.is_open()
     unknown.record(client.client_id[0], 4000)
     assert gate.heartbeat(client, node, unknown) and gate.is_open()
+
+
+# -- the native state's copy ------------------------------------------------------
+
+core = native_core()
+needs_core = pytest.mark.skipif(core is None, reason="the native core is not built")
+T_MS = 1_700_000_000_000
+
+
+def native_state() -> GeneratorState:
+    assert core is not None
+    state: GeneratorState = core.GeneratorState(1288834974657, 22, 4095, True)
+    state.ceiling = T_MS + 10_000
+    return state
+
+
+def fast(state: GeneratorState, clock: SecondsClock) -> int | None:
+    """The native fast call at the gate's time (None: SLOW)."""
+    return state.next_id(T_MS, clock.now)
+
+
+@needs_core
+def test_an_attached_native_state_copies_every_change_of_the_deadline() -> None:
+    clock = SecondsClock(100.0)
+    gate = registered(clock)
+    state = native_state()
+    gate.attach(state)
+    assert gate.attached is state
+    assert not state.gate_open and fast(state, clock) is None, "closed, as the gate"
+    assert gate.confirm(gate.send(), TIMEOUT)
+    assert state.gate_open and state.gate_until == gate.open_until
+    assert fast(state, clock) is not None
+    clock.now = gate.open_until + 0.001
+    assert fast(state, clock) is None, "past the deadline: SLOW, with no word from Python"
+    clock.now = 100.0
+    gate.hold("another layout's record")
+    assert not state.gate_open and fast(state, clock) is None
+    gate.hold(None)
+    assert not state.gate_open, "no longer held opens nothing by itself"
+    assert gate.confirm(gate.send(), TIMEOUT) and state.gate_open
+    gate.close("the ZooKeeper session was lost")
+    assert not state.gate_open and fast(state, clock) is None, "at once"
+    gate.attach(None)
+    assert gate.attached is None
+    assert gate.reopen(gate.registering()) and gate.confirm(gate.send(), TIMEOUT)
+    assert not state.gate_open, "detached: the old state keeps its closed copy"
+
+
+@needs_core
+def test_a_gate_closed_by_the_thread_holding_the_native_state_closes_it_in_place() -> None:
+    # A clock-sequence switch writes its marks with the state held; a refused write closes
+    # the gate from inside: the copy must neither deadlock nor wait for the release.
+    clock = SecondsClock(100.0)
+    gate = registered(clock)
+    state = native_state()
+    gate.attach(state)
+    assert gate.confirm(gate.send(), TIMEOUT)
+    with state:
+        gate.close("worker id lost")
+        assert not state.gate_open
+    assert fast(state, clock) is None
+
+
+@needs_core
+def test_copies_that_cross_leave_the_newest_deadline() -> None:
+    # A confirmation's copy waits for the mutex while its holder closes the gate: the copy
+    # that lands last must carry the closure, not the deadline its own change set.
+    clock = SecondsClock(100.0)
+    gate = registered(clock)
+    state = native_state()
+    gate.attach(state)
+    state.acquire()
+    confirming = threading.Thread(target=gate.confirm, args=(gate.send(), TIMEOUT))
+    try:
+        confirming.start()
+        wait_until(lambda: gate.open_until > 100.0, "the confirmation", timeout_s=10)
+        gate.close("the ZooKeeper session was lost")  # in place: the holder
+    finally:
+        state.release()
+    confirming.join(timeout=10)
+    assert not confirming.is_alive()
+    assert not gate.is_open() and not state.gate_open, "the closure stands"
+    assert fast(state, clock) is None

@@ -38,6 +38,7 @@ from snowflake_server._cluster.slot import WorkerSlot
 from snowflake_server._cluster.zkmarks import ZkMarkStore
 from snowflake_server._errors import ClockBehindMark, StartupDeferred, StartupInterrupted
 from snowflake_server._ids.layouts import layout_to_json
+from snowflake_server._native import native_core
 from snowflake_server._state.reservation import MarkStore
 from snowflake_server._state.worker import Worker
 from tests.support.endpoints import free_port, unique_scope
@@ -1671,3 +1672,42 @@ def test_a_node_registering_again_with_no_record_read_writes_none(
     with pytest.raises(StartupDeferred, match="read no record to write back"):
         node.tick()
     assert zk.exists(f"{zk_path}/layout") is None and zk.exists(f"{zk_path}/nodes/0/2") is None
+
+
+# -- the native generator state ---------------------------------------------------
+
+
+@pytest.mark.skipif(native_core() is None, reason="the native core is not built")
+def test_the_native_state_stops_at_once_on_a_lost_session_and_is_sealed_before_a_re_lease(
+    member: Make, zookeeper: ZooKeeper
+) -> None:
+    node = member(worker_id=3).join()
+    worker = node.slot.worker
+    assert worker is not None
+    state = worker.native_state
+    assert state is not None and node.slot.gate.attached is state
+
+    def fast() -> int | None:  # what a native thread gets now (on the fake clocks)
+        assert state is not None
+        return state.next_id(node.clock(), node.gate.now)
+
+    first = fast()
+    assert first is not None and decompose(first).worker_id == 3
+    node.gate.advance(OPEN_FOR + 0.001)
+    assert fast() is None, "no heartbeat within the session: SLOW"
+    node.tick()  # confirmed again
+    assert fast() is not None and state.gate_until == node.slot.gate.open_until
+    old = expire(node)
+    assert fast() is None, "at once, however long the gate had left"
+    assert not state.gate_open and not state.sealed
+    with pytest.raises(StartupDeferred):
+        node.tick()  # the old session still holds the node: retired, not leased again
+    assert state.sealed and node.slot.gate.attached is None
+    end_session(zookeeper, old)
+    node.tick()
+    new = node.slot.worker
+    assert new is not None and new is not worker and node.slot.serving
+    assert new.native_state is not None and new.native_state is not state
+    assert node.slot.gate.attached is new.native_state
+    assert fast() is None, "the old state stays sealed"
+    assert new.native_state.next_id(node.clock(), node.gate.now) is not None

@@ -327,9 +327,9 @@ def test_the_mutex_behaves_as_a_lock() -> None:
     assert state.held()
     # The gate's writes from the holder write in place (a refused switch write closes it).
     state.set_gate(1.0)
-    assert state.gate_open and state.gate_until == 1.0
+    assert (state.gate_open, state.gate_until) == (True, 1.0)
     state.close()
-    assert not state.gate_open
+    assert (state.gate_open, state.gate_until) == (False, float("-inf"))
     took = []
     thread = threading.Thread(target=lambda: took.append(state.acquire(timeout=0.01)))
     thread.start()

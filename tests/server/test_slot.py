@@ -16,6 +16,7 @@ from snowflake_server import (
 )
 from snowflake_server._cluster.gate import SessionGate
 from snowflake_server._cluster.slot import CurrentReservation, WorkerSlot
+from snowflake_server._native import native_core
 from snowflake_server._state.worker import Worker
 from tests.support.fakes import FakeClock, SecondsClock
 
@@ -118,3 +119,28 @@ def test_counters_add_up_every_worker_the_slot_held(tmp_path: Path) -> None:
     assert slot.counters().ids_generated == 7
     with pytest.raises(UnavailableError, match="this node is stopping"):
         slot.next_id()
+
+
+@pytest.mark.skipif(native_core() is None, reason="the native core is not built")
+def test_the_installed_workers_native_state_follows_the_gate_and_is_sealed_on_retire(
+    tmp_path: Path,
+) -> None:
+    clock_s = SecondsClock(1000.0)
+    clock = FakeClock(T0)
+    slot = WorkerSlot(ServerSettings().ids, SessionGate(clock_s))
+    worker = open_worker(tmp_path, clock, worker_id=5)
+    state = worker.native_state
+    assert state is not None, "the native core is there: the worker's state is native"
+    slot.install(worker)
+    assert slot.gate.attached is state and not state.gate_open
+    deadline = opened(slot.gate)
+    assert state.gate_until == deadline
+    first = state.next_id(clock(), clock_s.now)
+    assert first is not None and decompose(first).worker_id == 5
+    assert slot.next_id() > first, "Python and the native state: one sequence"
+    clock_s.now = deadline + 0.001
+    assert state.next_id(clock(), clock_s.now) is None, "the deadline passed: SLOW"
+    clock_s.now = 1000.0
+    assert slot.retire("this node is stopping") is worker
+    assert state.sealed and not state.gate_open and slot.gate.attached is None
+    assert state.next_id(clock(), clock_s.now) is None

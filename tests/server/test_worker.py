@@ -4,6 +4,9 @@ waits for real time to pass."""
 from __future__ import annotations
 
 import json
+import logging
+import math
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,8 +19,11 @@ from snowflake_server import (
     StartupRefused,
     decompose,
 )
+from snowflake_server._app.node import standalone
+from snowflake_server._ids.generator import IdGenerator, NativeStateIdGenerator
+from snowflake_server._native import native_core
 from snowflake_server._state.reservation import MarkStore
-from snowflake_server._state.worker import Worker
+from snowflake_server._state.worker import Worker, generator_class
 from tests.support.fakes import FakeClock
 
 T0 = 1_700_000_000_000
@@ -455,3 +461,46 @@ def test_a_restart_a_few_ms_behind_waits_rather_than_moving(tmp_path: Path) -> N
         assert again.generator.counters().clock_sequence_switches == 0
     finally:
         again.close()
+
+
+def test_a_worker_gets_the_native_state_where_the_core_is_there_and_says_which(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="snowflake_server")
+    chosen = generator_class.__wrapped__()
+    if native_core() is None:
+        assert chosen is IdGenerator
+    else:
+        assert chosen is NativeStateIdGenerator
+        assert "native generator state" in caplog.text
+    # Off (SNOWFLAKE_NO_NATIVE=1): today's generator, its state in Python attributes.
+    monkeypatch.setenv("SNOWFLAKE_NO_NATIVE", "1")
+    monkeypatch.setattr("snowflake_server._state.worker.native_core", native_core.__wrapped__)
+    assert generator_class.__wrapped__() is IdGenerator
+    monkeypatch.setattr("snowflake_server._state.worker.generator_class", lambda: IdGenerator)
+    clock = FakeClock(T0)
+    worker = Worker.open(settings(tmp_path).worker, 3, clock=clock, sleep=clock.sleep)
+    try:
+        assert type(worker.generator) is IdGenerator and worker.native_state is None
+        assert decompose(worker.generator.next_id()).worker_id == 3
+    finally:
+        worker.close()
+
+
+@pytest.mark.skipif(native_core() is None, reason="the native core is not built")
+def test_a_standalone_node_opens_its_native_state_until_the_worker_is_sealed(
+    tmp_path: Path,
+) -> None:
+    server = settings(tmp_path, worker_id=6)
+    closes: list[Callable[[], None]] = []
+    clock = FakeClock(T0)
+    mode = standalone(server, clock, closes.append, threading.Event())
+    generator = mode.source
+    assert isinstance(generator, NativeStateIdGenerator)
+    state = generator.native_state
+    assert state.gate_open and state.gate_until == math.inf, "no session to prove"
+    fast = state.next_id(clock(), 0.0)
+    assert fast is not None and decompose(fast).worker_id == 6
+    for close in reversed(closes):
+        close()
+    assert state.sealed and state.next_id(clock(), 0.0) is None
