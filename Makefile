@@ -117,12 +117,26 @@ lock: $(VENV)/.installed
 # against the lock's hashes; pure-sasl has only an sdist there, hashed too, which is built
 # into a wheel with the locked setuptools), so that the artifacts install with
 # --no-index --find-links $(DIST) --find-links $(DIST)/wheelhouse. --no-isolation: built
-# with the locked setuptools in .venv. DIST: where (tests build into a temp dir).
+# with the locked setuptools in .venv. DIST: where (tests build into a temp dir). Needs a C
+# compiler (the platform wheel): without one check_dist names its missing extension.
 DIST ?= dist
 
+# The server has two wheels, both built from its sdist: the pure one (py3-none-any,
+# SNOWFLAKE_NO_NATIVE=1: no extension) for any platform, and the platform one (cp311-linux)
+# with the native core compiled in; pip prefers the platform one where it fits. Each from an
+# unpacked copy of its own, so that no build/ of one gets into the other.
+DIST_SRC = $(DIST)/.src
+
 dist: $(VENV)/.installed
-	rm -rf $(DIST)/*.whl $(DIST)/*.tar.gz $(DIST)/wheelhouse
-	$(BIN)/python -m build --no-isolation --outdir $(DIST) .
+	rm -rf $(DIST)/*.whl $(DIST)/*.tar.gz $(DIST)/wheelhouse $(DIST_SRC)
+	$(BIN)/python -m build --no-isolation --sdist --outdir $(DIST) .
+	@set -e; for kind in pure native; do mkdir -p $(DIST_SRC)/$$kind; \
+	  tar xzf $(DIST)/snowflake_server-*.tar.gz -C $(DIST_SRC)/$$kind; done
+	SNOWFLAKE_NO_NATIVE=1 $(BIN)/python -m build --no-isolation --wheel --outdir $(DIST) \
+	  $(DIST_SRC)/pure/snowflake_server-*
+	env -u SNOWFLAKE_NO_NATIVE $(BIN)/python -m build --no-isolation --wheel --outdir $(DIST) \
+	  $(DIST_SRC)/native/snowflake_server-*
+	rm -rf $(DIST_SRC)
 	$(BIN)/python -m build --no-isolation --outdir $(DIST) clients/python
 	$(BIN)/twine check --strict $(DIST)/*.whl $(DIST)/*.tar.gz
 	$(BIN)/python deploy/release/check_dist.py $(DIST)

@@ -1,9 +1,10 @@
 """Checks what ``make dist`` built: exactly one sdist and one wheel of each of our two
-distributions at the one VERSION, each wheel holding exactly the files of its package in
-the tree that git tracks (no tests, no ``build/`` leftovers of deleted modules, no
-egg-info, no untracked module), its licence, and the
-server's sdist holding VERSION (its setup.py reads it). Prints each archive's files;
-exits 1 naming every stray or missing file.
+distributions at the one VERSION, plus the server's platform wheel (its native core
+compiled in), each wheel holding exactly the files of its package in the tree that git
+tracks (no tests, no ``build/`` leftovers of deleted modules, no egg-info, no untracked
+module, no C source; the platform wheel its extension too), its licence, and the server's
+sdist holding VERSION (its setup.py reads it). Prints each archive's files; exits 1 naming
+every stray or missing file.
 
 Usage: python deploy/release/check_dist.py DIST [ROOT]   (ROOT: the tree, default this one)
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import zipfile
 from pathlib import Path
@@ -21,13 +23,26 @@ DIST_INFO = {"METADATA", "WHEEL", "RECORD", "top_level.txt", "licenses/LICENSE"}
 # (distribution, package directory in the tree, file suffixes of the package, extra
 # dist-info files)
 PROJECTS = {
-    "snowflake_server": (Path("snowflake_server"), (".py", "py.typed"), {"entry_points.txt"}),
+    "snowflake_server": (
+        Path("snowflake_server"),
+        (".py", ".pyi", "py.typed"),
+        {"entry_points.txt"},
+    ),
     "snowflake_thrift_client": (
         Path("clients/python/snowflake_thrift_client"),
         (".py", "py.typed", "VERSION", ".thrift"),
         set(),
     ),
 }
+NATIVE = "snowflake_server/_native/_core"
+"""The server's optional extension module, as a path inside a wheel (without its suffix)."""
+
+
+def platform_tag() -> str:
+    """The tag of a wheel with an extension built by this interpreter (cp311-cp311-linux_x86_64)."""
+    python = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    return f"{python}-{python}-{platform}"
 
 
 def untracked(root: Path, package: Path) -> set[Path]:
@@ -66,6 +81,8 @@ def wheel_problems(wheel: Path, root: Path, version: str) -> list[str]:
     expected = package_files(root, package, suffixes) | {
         f"{info}/{name}" for name in DIST_INFO | extra_info
     }
+    if not wheel.name.endswith("-py3-none-any.whl"):
+        expected.add(NATIVE + sysconfig.get_config_var("EXT_SUFFIX"))
     with zipfile.ZipFile(wheel) as archive:
         shipped = set(archive.namelist())
     return [f"{wheel.name}: stray {name}" for name in sorted(shipped - expected)] + [
@@ -97,7 +114,10 @@ def check(dist: Path, root: Path) -> list[str]:
     version = (root / "VERSION").read_text(encoding="utf-8").strip()
     wheels = sorted(dist.glob("*.whl"))
     sdists = sorted(dist.glob("*.tar.gz"))
-    expected_wheels = [f"{d}-{version}-py3-none-any.whl" for d in sorted(PROJECTS)]
+    expected_wheels = sorted(
+        [f"{d}-{version}-py3-none-any.whl" for d in PROJECTS]
+        + [f"snowflake_server-{version}-{platform_tag()}.whl"]
+    )
     expected_sdists = [f"{d}-{version}.tar.gz" for d in sorted(PROJECTS)]
     problems = []
     if [w.name for w in wheels] != expected_wheels:
@@ -122,6 +142,7 @@ def main(argv: list[str]) -> int:
         print(problem, file=sys.stderr)
     if not problems:
         print("each wheel holds exactly its package's files; the sdists hold VERSION")
+        print("the server's platform wheel holds its native core; the pure one does not")
     return 1 if problems else 0
 
 

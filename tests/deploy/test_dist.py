@@ -149,16 +149,29 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+# Each server wheel, and the line its server logs at start saying which generator state runs.
+WHEELS = {
+    "pure": ("py3-none-any", "native fast path not built"),
+    "native": (load(ROOT / "deploy" / "release" / "check_dist.py").platform_tag(),
+               "native generator state"),
+}  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(DIST_TIMEOUT_S + INSTALL_TIMEOUT_S + RUN_TIMEOUT_S * 3)
-def test_the_artifacts_install_with_no_index_and_serve(dist: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", sorted(WHEELS))
+def test_the_artifacts_install_with_no_index_and_serve(
+    dist: Path, tmp_path: Path, kind: str
+) -> None:
+    tag, logged = WHEELS[kind]
     venv = tmp_path / "venv"
     run([sys.executable, "-I", "-m", "venv", str(venv)], tmp_path, RUN_TIMEOUT_S * 2)
     python = str(venv / "bin" / "python")
     run(
         [python, "-I", "-m", "pip", "install", "-q", "--disable-pip-version-check",
          "--no-cache-dir", "--no-index", "--find-links", str(dist),
-         "--find-links", str(dist / "wheelhouse"), "snowflake-server", "snowflake-thrift-client"],
+         "--find-links", str(dist / "wheelhouse"),
+         str(dist / f"snowflake_server-{VERSION}-{tag}.whl"), "snowflake-thrift-client"],
         tmp_path, INSTALL_TIMEOUT_S,
     )  # fmt: skip
     where = run(
@@ -179,6 +192,8 @@ def test_the_artifacts_install_with_no_index_and_serve(dist: Path, tmp_path: Pat
     finally:
         server.close_clients()
         server.stop()
+    if "SNOWFLAKE_NO_NATIVE" not in os.environ:  # the suite's pure run turns both off
+        assert logged in server.log(), f"the {kind} wheel's server says which path runs"
 
 
 @pytest.mark.slow
