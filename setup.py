@@ -59,7 +59,8 @@ def native_extensions(environ: dict[str, str]) -> list[Extension]:
     return [
         Extension(
             "snowflake_server._native._core",
-            ["snowflake_server/_native/_core.c"],
+            ["snowflake_server/_native/_core.c", "snowflake_server/_native/_listener.c"],
+            depends=["snowflake_server/_native/_listener.h"],
             extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-pthread"],
             extra_link_args=["-pthread"],
             optional=True,

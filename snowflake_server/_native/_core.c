@@ -27,6 +27,8 @@
 
 #define SLOW ((int64_t)-1) /* ids are never negative */
 
+int sf_listener_init(PyObject *module); /* _listener.c: the listener's parser, registry, stats */
+
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mutex;
@@ -579,7 +581,7 @@ PyInit__core(void)
         return NULL;
     }
     if (PyModule_AddObjectRef(module, "GeneratorState", (PyObject *)&GeneratorStateType) < 0 ||
-        PyModule_AddIntConstant(module, "SLOW", -1) < 0) {
+        PyModule_AddIntConstant(module, "SLOW", -1) < 0 || sf_listener_init(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }
