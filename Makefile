@@ -43,7 +43,7 @@ IDL       := idl/snowflake.thrift
 CLIENTS   ?= clients
 
 .PHONY: install lock dist system-deps stubs node-deps node-pack node-version node-version-check \
-	run check test test-fast coverage bench clean soak native native-sanitize \
+	run check test test-fast coverage bench clean soak native native-sanitize fuzz-native \
 	prometheus-tools \
 	bench-deps bench-build bench-loadgen bench-floor bench-anchors
 
@@ -305,9 +305,10 @@ test-fast: install prometheus-tools
 # runtime is preloaded (LD_PRELOAD, gcc's libasan/libubsan/libtsan), leak detection is off
 # (CPython keeps its objects to the end), and any report fails the run (--capture=sys: pytest
 # must not swallow a report written to file descriptor 2 by a process the sanitizer stops).
-NATIVE_TESTS   ?= tests/server/test_native_generator.py tests/server/test_generator.py
+NATIVE_TESTS   ?= tests/server/test_native_generator.py tests/server/test_generator.py \
+	tests/server/test_native_parser.py
 SANITIZE_BUILD ?= build/sanitize
-NATIVE_SRC     := snowflake_server/_native/_core.c
+NATIVE_SRC     := snowflake_server/_native/_core.c snowflake_server/_native/_listener.c
 PY_INCLUDE      = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 PY_EXT_SUFFIX   = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 SANITIZE_CFLAGS := -std=c11 -O1 -g -fno-omit-frame-pointer -Wall -Wextra -Werror -shared -fPIC -pthread
@@ -331,6 +332,27 @@ native-sanitize: $(VENV)/.installed
 	  if [ $$kind = asan ]; then env=$$(echo '$(SANITIZE_ENV_asan)'); else env=$$(echo '$(SANITIZE_ENV_tsan)'); fi; \
 	  (cd $$dir && eval "$$env $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider -n 0 --capture=sys $(NATIVE_TESTS)"); \
 	done
+
+# make fuzz-native: the native frame parser's fuzz target (tests/native/fuzz_frame.c) under
+# -fsanitize=address,undefined for FUZZ_SECONDS (make soak runs it for 60). Debian 12's gcc
+# has no libFuzzer, so the file carries its own mutating driver; where clang is installed the
+# libFuzzer variant is built and run instead. A failed check writes fuzz-crash.bin.
+FUZZ_SECONDS ?= 30
+FUZZ_BUILD   ?= build/fuzz
+fuzz-native:
+	@mkdir -p $(FUZZ_BUILD)/corpus
+	@if command -v clang >/dev/null 2>&1; then \
+	  clang -std=c11 -O1 -g -Wall -Wextra -Werror -pthread -DSF_LIBFUZZER \
+	    -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+	    tests/native/fuzz_frame.c -o $(FUZZ_BUILD)/fuzz_frame && \
+	  $(FUZZ_BUILD)/fuzz_frame -max_total_time=$(FUZZ_SECONDS) -max_len=8192 $(FUZZ_BUILD)/corpus; \
+	else \
+	  $(CC) -std=c11 -O1 -g -fno-omit-frame-pointer -Wall -Wextra -Werror -pthread \
+	    -fsanitize=address,undefined -fno-sanitize-recover=all \
+	    tests/native/fuzz_frame.c -o $(FUZZ_BUILD)/fuzz_frame && \
+	  (cd $(FUZZ_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+	    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 FUZZ_SECONDS=$(FUZZ_SECONDS) ./fuzz_frame); \
+	fi
 
 # The benchmark harness (about 9 minutes; BENCH_ARGS=--quick for a smoke run of about
 # two): results in bench/results/<time>/ and bench/results/latest.md; then the HTTP/JSON
@@ -407,6 +429,7 @@ kube-monitoring: $(VENV)/.installed
 # then a minute of fuzzed requests; reports threads, file descriptors and memory.
 soak: install
 	$(BIN)/python bench/soak.py
+	$(MAKE) fuzz-native FUZZ_SECONDS=60
 
 clean:
 	rm -rf $(VENV) $(DIST) .mypy_cache .pytest_cache .ruff_cache .hypothesis build *.egg-info \
