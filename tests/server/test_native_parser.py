@@ -80,6 +80,24 @@ def test_the_native_match_is_the_fast_paths(frame: bytes, limit: int) -> None:
 
 
 @given(agent=agents, seqid=seqids, limit=limits)
+@settings(max_examples=100, deadline=None)
+def test_every_byte_of_a_request_changed_is_judged_as_the_fast_path_judges_it(
+    agent: str | bytes, seqid: int, limit: int
+) -> None:
+    frame = get_id_frame(agent, seqid)
+    for at in range(len(frame)):
+        for flip in (0x01, 0x80, 0xFF):
+            edit = bytearray(frame)
+            edit[at] ^= flip
+            changed = bytes(edit)
+            assert core.match_get_id(changed, limit) == fastpath.match_get_id(changed, limit)
+            for cut in (at, at + 1):
+                assert core.match_get_id(changed[:cut], limit) == fastpath.match_get_id(
+                    changed[:cut], limit
+                )
+
+
+@given(agent=agents, seqid=seqids, limit=limits)
 @settings(max_examples=300, deadline=None)
 def test_every_common_request_matches_natively_as_in_python(
     agent: str | bytes, seqid: int, limit: int
