@@ -166,7 +166,7 @@ AgentRegistry_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static void
 AgentRegistry_dealloc(AgentRegistry *self)
 {
-    /* No reader is left: a _lookup_spin holds a reference for as long as it runs. */
+    /* No reader is left: a lookup_spin holds a reference for as long as it runs. */
     if (self->r != NULL) {
         sf_registry_free(self->r);
         free(self->r);
@@ -250,7 +250,7 @@ AgentRegistry_len(AgentRegistry *self)
     return (Py_ssize_t)atomic_load_explicit(&self->r->count, memory_order_acquire);
 }
 
-/* _lookup_spin(agents, rounds): every agent looked up `rounds` times without the GIL.
+/* lookup_spin(agents, rounds): every agent looked up `rounds` times without the GIL.
  * Returns (hits per agent, violations): a violation is a hit after which the same agent
  * missed, or came back with another index or label, or bytes not the agent's. */
 static PyObject *
@@ -342,8 +342,8 @@ static PyMethodDef AgentRegistry_methods[] = {
      "lookup(agent): its index, or -1 (not registered: Python serves it)."},
     {"label", (PyCFunction)AgentRegistry_label, METH_O,
      "label(index): the label index the agent at index was registered under."},
-    {"_lookup_spin", (PyCFunction)AgentRegistry_lookup_spin, METH_VARARGS,
-     "_lookup_spin(agents, rounds): lookups without the GIL (tests)."},
+    {"lookup_spin", (PyCFunction)AgentRegistry_lookup_spin, METH_VARARGS,
+     "lookup_spin(agents, rounds): lookups without the GIL (tests)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -484,7 +484,7 @@ NativeStats_record_internal_error(NativeStats *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* _spin(thread, n, agent_index, latency_ns): n calls recorded without the GIL (tests). */
+/* spin(thread, n, agent_index, latency_ns): n calls recorded without the GIL (tests). */
 static PyObject *
 NativeStats_spin(NativeStats *self, PyObject *args)
 {
@@ -639,8 +639,8 @@ static PyMethodDef NativeStats_methods[] = {
     {"snapshot", (PyCFunction)(void (*)(void))NativeStats_snapshot, METH_VARARGS | METH_KEYWORDS,
      "snapshot(registry=None): the counters of every thread summed (ids by label index "
      "with a registry, else by registry index)."},
-    {"_spin", (PyCFunction)NativeStats_spin, METH_VARARGS,
-     "_spin(thread, n, agent_index, latency_ns): n calls recorded without the GIL (tests)."},
+    {"spin", (PyCFunction)NativeStats_spin, METH_VARARGS,
+     "spin(thread, n, agent_index, latency_ns): n calls recorded without the GIL (tests)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -729,7 +729,7 @@ AuditBudget_drop(AuditBudget *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* _spin(n): n reservations of one entry without the GIL, each released at once if taken
+/* spin(n): n reservations of one entry without the GIL, each released at once if taken
  * and `hold` is false; returns how many were taken (tests). */
 static PyObject *
 AuditBudget_spin(AuditBudget *self, PyObject *args)
@@ -786,8 +786,8 @@ static PyMethodDef AuditBudget_methods[] = {
      "release(n): n reserved entries left memory."},
     {"drop", (PyCFunction)AuditBudget_drop, METH_O,
      "drop(n): n reserved entries were lost (a failed write); release them too."},
-    {"_spin", (PyCFunction)AuditBudget_spin, METH_VARARGS,
-     "_spin(n, hold): n one-entry reservations without the GIL (tests)."},
+    {"spin", (PyCFunction)AuditBudget_spin, METH_VARARGS,
+     "spin(n, hold): n one-entry reservations without the GIL (tests)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -271,7 +271,7 @@ def test_lookups_without_the_gil_stay_right_while_python_adds() -> None:
 
     def look() -> None:
         go.wait()
-        results.append(registry._lookup_spin(early + late, rounds))
+        results.append(registry.lookup_spin(early + late, rounds))
 
     threads = [threading.Thread(target=look) for _ in range(3)]
     for thread in threads:
@@ -352,7 +352,7 @@ def test_the_latency_buckets_are_the_python_histograms() -> None:
 def test_a_scrape_while_native_threads_count_sees_totals_only_grow() -> None:
     stats = core.NativeStats(4)
     n = 200_000
-    threads = [threading.Thread(target=stats._spin, args=(i, n, i, 30_000)) for i in range(4)]
+    threads = [threading.Thread(target=stats.spin, args=(i, n, i, 30_000)) for i in range(4)]
     for thread in threads:
         thread.start()
     seen = []
@@ -410,7 +410,7 @@ def test_native_threads_reserving_at_once_take_exactly_the_budget() -> None:
     budget = core.AuditBudget(50_000)
     taken: list[int] = []
     threads = [
-        threading.Thread(target=lambda: taken.append(budget._spin(40_000, True))) for _ in range(3)
+        threading.Thread(target=lambda: taken.append(budget.spin(40_000, True))) for _ in range(3)
     ]
     for thread in threads:
         thread.start()
