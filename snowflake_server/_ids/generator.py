@@ -654,6 +654,15 @@ class NativeStateIdGenerator(IdGenerator):
     gate opens it with ``native_state.set_gate(deadline)`` and closes it with
     ``native_state.close()``. Raises ``ConfigurationError`` where the native core is off or
     not built (:func:`snowflake_server._native.native_core`).
+
+    While a call waits out a clock step or writes a clock-sequence switch under the mutex
+    (``_long_hold``), the state says so to native threads too: their fast calls give up at
+    once instead of trying the mutex.
+
+    In a child of ``os.fork`` a generator made before the fork is unusable: every call
+    raises ``RuntimeError`` (its parent goes on issuing the same ids from its own copy, and
+    the mutex may be held by a thread the child does not have), and native fast calls on
+    its state are SLOW. Make a new generator in the child.
     """
 
     # The fields the fast path reads and writes: the state's, read and written with its
@@ -740,6 +749,14 @@ class NativeStateIdGenerator(IdGenerator):
     @_node.setter
     def _node(self, value: int) -> None:
         self._state.node = value
+
+    @property
+    def _long_hold(self) -> bool:
+        return self._state.long_hold
+
+    @_long_hold.setter
+    def _long_hold(self, value: bool) -> None:
+        self._state.long_hold = value
 
     @property
     def _sealed(self) -> bool:

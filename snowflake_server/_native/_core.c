@@ -15,6 +15,17 @@
  * Lock order: a thread holding the mutex never waits for the GIL. Python takes the mutex
  * with the GIL released when it is contended (a native thread holding it can finish), and
  * a native thread lets go of the mutex before it takes the GIL to hand a SLOW call over.
+ *
+ * A native thread never blocks on the mutex: a Python thread holding it may lose the GIL
+ * for a switch interval, or hold it through a clock step it waits out (long_hold). It tries
+ * the lock; if held with long_hold set it gives up at once (CONTENDED), else it tries again
+ * for at most SPIN_NS, then gives up (CONTENDED). Either way the call goes to Python.
+ *
+ * Fork: a child has a copy of every state, which its parent goes on issuing from, and whose
+ * mutex a thread that does not exist in the child may hold. A child handler (pthread_atfork)
+ * bumps fork_generation; a state made in an earlier generation is stale: its fast calls are
+ * SLOW and every Python method that takes its mutex raises RuntimeError. States made in the
+ * child after the fork are fresh.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -25,7 +36,22 @@
 #include <stdint.h>
 #include <time.h>
 
-#define SLOW ((int64_t)-1) /* ids are never negative */
+#define SLOW ((int64_t)-1)      /* ids are never negative */
+#define CONTENDED ((int64_t)-2) /* another thread holds the state: nothing touched */
+/* How long a native fast call tries a mutex held without long_hold: a Python slow-path
+ * call or a scrape holds it for a few µs; longer than this and the frame is better handed
+ * to Python than burnt on a core. */
+#define SPIN_NS 20000
+
+/* Bumped in every child of a fork (the child handler): states of older generations are
+ * stale there. Read relaxed: only a fork changes it, and the child is single-threaded. */
+static unsigned long fork_generation;
+
+static void
+after_fork_in_child(void)
+{
+    __atomic_add_fetch(&fork_generation, 1, __ATOMIC_RELAXED);
+}
 
 int sf_listener_init(PyObject *module); /* _listener.c: the listener's parser, registry, stats */
 
@@ -35,6 +61,13 @@ typedef struct {
     /* The Python thread holding the mutex through acquire() (0: none): atomic, since a
      * thread that does not hold the mutex reads it to refuse a release or a second lock. */
     unsigned long py_owner;
+    /* Set (atomic) by the holder while it waits out a clock step or writes a clock-sequence
+     * switch under the mutex (IdGenerator._long_hold): a fast call then gives up at once. */
+    int long_hold;
+    /* Native fast calls trying the mutex right now (atomic; what tests wait on). */
+    int spinning;
+    /* fork_generation when the state was made: another one means a fork's inherited copy. */
+    unsigned long generation;
     /* Constants of the layout. */
     int64_t epoch;
     int64_t ts_shift;
@@ -95,15 +128,95 @@ boot_s(void)
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-/* The fast call on the real clocks, read under the mutex (as IdGenerator reads its clock
- * under its lock). The entry point of native threads: no GIL needed. */
-static int64_t
-fast_now(GeneratorState *s)
+static inline int64_t
+monotonic_ns(void)
 {
-    pthread_mutex_lock(&s->mutex);
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void
+cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline int
+stale(GeneratorState *s)
+{
+    return s->generation != __atomic_load_n(&fork_generation, __ATOMIC_RELAXED);
+}
+
+static inline int
+long_held(GeneratorState *s)
+{
+    return __atomic_load_n(&s->long_hold, __ATOMIC_ACQUIRE);
+}
+
+/* The fast call on the real clocks, read under the mutex (as IdGenerator reads its clock
+ * under its lock). The entry point of native threads: no GIL needed, never blocks. SLOW on
+ * a stale state (a fork's copy); CONTENDED if the mutex is held with long_hold set, or
+ * still held after spin_ns of tries. */
+static int64_t
+fast_try(GeneratorState *s, int64_t spin_ns)
+{
+    if (stale(s)) {
+        return SLOW;
+    }
+    if (pthread_mutex_trylock(&s->mutex) != 0) {
+        if (long_held(s)) {
+            return CONTENDED;
+        }
+        __atomic_add_fetch(&s->spinning, 1, __ATOMIC_RELAXED);
+        int64_t until = monotonic_ns() + spin_ns;
+        int got = 0;
+        for (;;) {
+            cpu_relax();
+            /* Set while this call tries: the holder went into a long wait, give up now. */
+            if (long_held(s)) {
+                break;
+            }
+            if (pthread_mutex_trylock(&s->mutex) == 0) {
+                got = 1;
+                break;
+            }
+            if (monotonic_ns() >= until) {
+                break;
+            }
+        }
+        __atomic_sub_fetch(&s->spinning, 1, __ATOMIC_RELAXED);
+        if (!got) {
+            return CONTENDED;
+        }
+    }
     int64_t id = fast_locked(s, wall_ms(), boot_s());
     pthread_mutex_unlock(&s->mutex);
     return id;
+}
+
+static inline int64_t
+fast_now(GeneratorState *s)
+{
+    return fast_try(s, SPIN_NS);
+}
+
+/* -1 with RuntimeError set if the state is a fork's inherited copy. */
+static int
+refuse_stale(GeneratorState *s)
+{
+    if (stale(s)) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "this generator state was inherited across a fork: its parent goes on "
+                        "issuing from it, and its mutex may be held by a thread the child does "
+                        "not have; make a new generator in the child");
+        return -1;
+    }
+    return 0;
 }
 
 static inline int
@@ -117,6 +230,9 @@ held_by_this_thread(GeneratorState *s)
 static int
 lock_from_python(GeneratorState *s)
 {
+    if (refuse_stale(s) < 0) {
+        return -1;
+    }
     if (held_by_this_thread(s)) {
         PyErr_SetString(PyExc_RuntimeError, "this thread holds the generator state already");
         return -1;
@@ -167,6 +283,7 @@ GeneratorState_init(GeneratorState *self, PyObject *args, PyObject *kwds)
     self->sealed = 0;
     self->gate_open = 0;
     self->gate_until = -INFINITY;
+    __atomic_store_n(&self->long_hold, 0, __ATOMIC_RELEASE);
     return 0;
 }
 
@@ -187,13 +304,17 @@ GeneratorState_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     self->gate_until = -INFINITY;
+    self->generation = __atomic_load_n(&fork_generation, __ATOMIC_RELAXED);
     return (PyObject *)self;
 }
 
 static void
 GeneratorState_dealloc(GeneratorState *self)
 {
-    pthread_mutex_destroy(&self->mutex);
+    /* A fork's copy may be locked by a thread the child does not have: left as it is. */
+    if (!stale(self)) {
+        pthread_mutex_destroy(&self->mutex);
+    }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -206,6 +327,9 @@ GeneratorState_acquire(GeneratorState *self, PyObject *args, PyObject *kwds)
     int blocking = 1;
     double timeout = -1.0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|pd", kwlist, &blocking, &timeout)) {
+        return NULL;
+    }
+    if (refuse_stale(self) < 0) {
         return NULL;
     }
     if (held_by_this_thread(self)) {
@@ -250,6 +374,9 @@ GeneratorState_acquire(GeneratorState *self, PyObject *args, PyObject *kwds)
 static PyObject *
 GeneratorState_release(GeneratorState *self, PyObject *Py_UNUSED(ignored))
 {
+    if (refuse_stale(self) < 0) {
+        return NULL;
+    }
     if (!held_by_this_thread(self)) {
         PyErr_SetString(PyExc_RuntimeError, "release of a generator state this thread does not hold");
         return NULL;
@@ -321,6 +448,34 @@ GeneratorState_next_id_now(GeneratorState *self, PyObject *Py_UNUSED(ignored))
     return id_or_none(id);
 }
 
+/* fast_call(spin_s=SPIN_NS): the native threads' call (fast_now) with the GIL released,
+ * trying a held mutex for spin_s (tests pass a long one to see a call give up for
+ * long_hold, not for time). Returns the id, SLOW or CONTENDED. */
+static PyObject *
+GeneratorState_fast_call(GeneratorState *self, PyObject *args)
+{
+    double spin_s = SPIN_NS * 1e-9;
+    if (!PyArg_ParseTuple(args, "|d", &spin_s)) {
+        return NULL;
+    }
+    if (!(spin_s >= 0)) {
+        PyErr_SetString(PyExc_ValueError, "spin_s must be at least 0");
+        return NULL;
+    }
+    /* About three years at most: no overflow of the deadline. */
+    int64_t spin_ns = spin_s > 1e17 * 1e-9 ? (int64_t)1e17 : (int64_t)(spin_s * 1e9);
+    /* A fork's copy is SLOW, whoever held it when the fork was made. */
+    if (!stale(self) && held_by_this_thread(self)) {
+        PyErr_SetString(PyExc_RuntimeError, "this thread holds the generator state already");
+        return NULL;
+    }
+    int64_t id;
+    Py_BEGIN_ALLOW_THREADS
+    id = fast_try(self, spin_ns);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(id);
+}
+
 /* set_gate and close from a Python thread that holds the mutex already write in place: a
  * clock-sequence switch writes its marks with the state held, and a write ZooKeeper refuses
  * closes the session gate from inside it. */
@@ -333,6 +488,9 @@ GeneratorState_set_gate(GeneratorState *self, PyObject *arg)
     }
     if (isnan(until)) {
         PyErr_SetString(PyExc_ValueError, "the gate's deadline is NaN");
+        return NULL;
+    }
+    if (refuse_stale(self) < 0) {
         return NULL;
     }
     int held = held_by_this_thread(self);
@@ -350,6 +508,9 @@ GeneratorState_set_gate(GeneratorState *self, PyObject *arg)
 static PyObject *
 GeneratorState_close(GeneratorState *self, PyObject *Py_UNUSED(ignored))
 {
+    if (refuse_stale(self) < 0) {
+        return NULL;
+    }
     int held = held_by_this_thread(self);
     if (!held && lock_from_python(self) < 0) {
         return NULL;
@@ -370,7 +531,7 @@ GeneratorState_held(GeneratorState *self, PyObject *Py_UNUSED(ignored))
 }
 
 /* The concurrent tests' native thread: `n` fast calls on the real clocks with the GIL
- * released; a SLOW one lets go of the mutex, takes the GIL and calls slow(), whose int is
+ * released; a SLOW or CONTENDED one lets go of the mutex, takes the GIL and calls slow(), whose int is
  * taken as the call's id (None: stop). Returns (ids in order, how many came from slow()). */
 static PyObject *
 GeneratorState_spin(GeneratorState *self, PyObject *args)
@@ -393,7 +554,7 @@ GeneratorState_spin(GeneratorState *self, PyObject *args)
     while (got < n) {
         int64_t id;
         Py_BEGIN_ALLOW_THREADS
-        while (got < n && (id = fast_now(self)) != SLOW) {
+        while (got < n && (id = fast_now(self)) >= 0) {
             ids[got++] = id;
         }
         Py_END_ALLOW_THREADS
@@ -488,6 +649,43 @@ set_sealed(GeneratorState *self, PyObject *value, void *closure)
 }
 
 static PyObject *
+get_long_hold(GeneratorState *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(long_held(self));
+}
+
+/* Written by the holder of the mutex (Python's slow path) around a long wait. */
+static int
+set_long_hold(GeneratorState *self, PyObject *value, void *closure)
+{
+    (void)closure;
+    int truth = value == NULL ? -1 : PyObject_IsTrue(value);
+    if (truth < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_AttributeError, "cannot delete long_hold");
+        }
+        return -1;
+    }
+    __atomic_store_n(&self->long_hold, truth, __ATOMIC_RELEASE);
+    return 0;
+}
+
+static PyObject *
+get_spinning(GeneratorState *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLong(__atomic_load_n(&self->spinning, __ATOMIC_RELAXED));
+}
+
+static PyObject *
+get_forked(GeneratorState *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(stale(self));
+}
+
+static PyObject *
 get_gate_open(GeneratorState *self, void *closure)
 {
     (void)closure;
@@ -524,7 +722,7 @@ get_zero_start(GeneratorState *self, void *closure)
 
 static PyGetSetDef GeneratorState_getset[] = {
     RW(last_ts), RW(sequence), RW(base), RW(first_sequence), RW(ids_before_this_ms),
-    RW(ceiling), RW(node), RW(sealed), RO(gate_open), RO(gate_until), RO(epoch),
+    RW(ceiling), RW(node), RW(sealed), RW(long_hold), RO(spinning), RO(forked), RO(gate_open), RO(gate_until), RO(epoch),
     RO(ts_shift), RO(max_sequence), RO(zero_start), {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -538,6 +736,9 @@ static PyMethodDef GeneratorState_methods[] = {
      "next_id(now_ms, boot_now): the fast call on the given clock readings; None: SLOW."},
     {"next_id_now", (PyCFunction)GeneratorState_next_id_now, METH_NOARGS,
      "The fast call on the real clocks (read under the mutex); None: SLOW."},
+    {"fast_call", (PyCFunction)GeneratorState_fast_call, METH_VARARGS,
+     "fast_call(spin_s=20e-6): the native threads' fast call, GIL released: the id, SLOW "
+     "or CONTENDED."},
     {"set_gate", (PyCFunction)GeneratorState_set_gate, METH_O,
      "Open the gate until this boot-clock second (CLOCK_BOOTTIME)."},
     {"close", (PyCFunction)GeneratorState_close, METH_NOARGS,
@@ -545,7 +746,7 @@ static PyMethodDef GeneratorState_methods[] = {
     {"held", (PyCFunction)GeneratorState_held, METH_NOARGS,
      "Whether the calling thread holds the mutex (set_gate and close then write in place)."},
     {"spin", (PyCFunction)GeneratorState_spin, METH_VARARGS,
-     "spin(n, slow): n fast calls without the GIL, slow() for each SLOW one (tests)."},
+     "spin(n, slow): n fast calls without the GIL, slow() for each SLOW or CONTENDED one (tests)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -576,12 +777,23 @@ PyInit__core(void)
     if (PyType_Ready(&GeneratorStateType) < 0) {
         return NULL;
     }
+    static int atfork_registered;
+    if (!atfork_registered) {
+        int err = pthread_atfork(NULL, NULL, after_fork_in_child);
+        if (err != 0) {
+            errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        atfork_registered = 1;
+    }
     PyObject *module = PyModule_Create(&core_module);
     if (module == NULL) {
         return NULL;
     }
     if (PyModule_AddObjectRef(module, "GeneratorState", (PyObject *)&GeneratorStateType) < 0 ||
-        PyModule_AddIntConstant(module, "SLOW", -1) < 0 || sf_listener_init(module) < 0) {
+        PyModule_AddIntConstant(module, "SLOW", -1) < 0 ||
+        PyModule_AddIntConstant(module, "CONTENDED", -2) < 0 ||
+        PyModule_AddIntConstant(module, "SPIN_NS", SPIN_NS) < 0 || sf_listener_init(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -11,8 +11,12 @@ and none from the fast path once the gate closed.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import random
+import select
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +38,7 @@ from snowflake_server._ids.clocks import boot_clock
 from snowflake_server._ids.generator import NativeStateIdGenerator
 from snowflake_server._native import native_core, native_disabled
 from tests.support.fakes import FakeClock, SecondsClock
+from tests.support.waiting import run_in_thread, wait_until
 
 core = native_core()
 needs_core = pytest.mark.skipif(core is None, reason="the native core is not built")
@@ -370,6 +375,181 @@ def test_without_the_native_core_the_server_says_so_once_and_a_native_state_is_r
     monkeypatch.setattr("snowflake_server._native.native_core", lambda: None)
     with pytest.raises(SnowflakeError, match="native core is not available"):
         NativeStateIdGenerator(GeneratorSettings())
+
+
+# -- a held mutex: native threads never wait long, and never behind a long hold ---------
+
+SLOW, CONTENDED = -1, -2  # the fast call's answers that are not ids (core.SLOW, core.CONTENDED)
+PROMPTLY_S = 10.0
+FOREVER_S = 3600.0  # a fast call's tries that only a long hold (or the test) can cut short
+
+
+@needs_core
+def test_a_fast_call_gives_up_at_once_while_python_waits_out_a_clock_step() -> None:
+    """A Python call sleeping out a backwards step holds the mutex with long_hold set: a
+    native fast call, even one allowed to try for an hour, returns CONTENDED while the
+    mutex is still held (the holder lets go only after that call returned)."""
+    clock = FakeClock(T0)
+    sleeping, woken = threading.Event(), threading.Event()
+
+    def held(seconds: float) -> None:
+        sleeping.set()
+        woken.wait(PROMPTLY_S)
+        clock.sleep(seconds)  # the step is waited out
+
+    generator = NativeStateIdGenerator(GeneratorSettings(), clock=clock, sleep=held)
+    state = generator.native_state
+    state.set_gate(float("inf"))
+    first = generator.next_id()
+    clock.now -= 2
+    holder, made = run_in_thread(generator.next_id)  # sleeps out the step, holding the mutex
+    try:
+        assert sleeping.wait(PROMPTLY_S), "the holder did not sleep out the step"
+        assert state.long_hold
+        caller, got = run_in_thread(lambda: state.fast_call(FOREVER_S))
+        caller.join(PROMPTLY_S)
+        assert got == [CONTENDED], "the fast call waited for a long hold"
+        assert holder.is_alive() and not made, "the mutex was held throughout"
+    finally:
+        woken.set()
+        holder.join(PROMPTLY_S)
+        caller.join(PROMPTLY_S)
+    assert not state.long_hold and made and made[0] > first
+    assert generator.counters().clock_backwards_waited == 1
+
+
+@needs_core
+def test_a_fast_call_waits_out_a_short_hold_and_gives_up_when_it_turns_long() -> None:
+    state = NativeStateIdGenerator(GeneratorSettings()).native_state  # the real clock
+    state.set_gate(float("inf"))
+    first = state.fast_call()
+    assert first >= 0
+    # Held without long_hold (a slow-path call, a scrape): the call tries until it is free.
+    assert state.acquire()
+    try:
+        caller, got = run_in_thread(lambda: state.fast_call(FOREVER_S))
+        wait_until(lambda: state.spinning == 1, "the fast call trying the held mutex")
+        assert not got
+    finally:
+        state.release()
+    caller.join(PROMPTLY_S)
+    assert len(got) == 1 and isinstance(got[0], int) and got[0] > first, got
+    assert state.spinning == 0
+    # The hold turns long while the call tries: it gives up with the mutex still held.
+    assert state.acquire()
+    try:
+        caller, got = run_in_thread(lambda: state.fast_call(FOREVER_S))
+        wait_until(lambda: state.spinning == 1, "the fast call trying the held mutex")
+        state.long_hold = True
+        caller.join(PROMPTLY_S)
+        assert got == [CONTENDED] and state.held()
+        # The production bound: a hold that is not long is tried for SPIN_NS only.
+        state.long_hold = False
+        caller, got = run_in_thread(state.fast_call)
+        caller.join(PROMPTLY_S)
+        assert got == [CONTENDED], "a short hold is tried for SPIN_NS, then given up"
+    finally:
+        state.long_hold = False
+        state.release()
+    assert core is not None and (core.SLOW, core.CONTENDED, core.SPIN_NS) == (
+        SLOW,
+        CONTENDED,
+        20_000,
+    )
+    assert state.spinning == 0
+    with pytest.raises(ValueError, match="spin_s"):
+        state.fast_call(-1.0)
+    with state, pytest.raises(RuntimeError, match="holds the generator state"):
+        state.fast_call()
+
+
+# -- fork: a child never issues from its parent's state ----------------------------------
+
+
+def _in_a_child(run: Callable[[], dict[str, object]]) -> dict[str, object]:
+    """What ``run()`` returns in a forked child (a JSON report over a pipe), bounded in
+    time; the child never returns into pytest."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's cleanup
+        code = 0
+        try:
+            os.close(read_end)
+            os.write(write_end, json.dumps(run()).encode())
+        except BaseException:  # noqa: BLE001 - any failure is the child's exit code
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], PROMPTLY_S)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        report = b""
+        while ready and (chunk := os.read(read_end, 65536)):
+            report += chunk
+    finally:
+        os.close(read_end)
+        _, status = os.waitpid(pid, 0)
+    assert ready, "the child hung"
+    assert os.waitstatus_to_exitcode(status) == 0
+    result: dict[str, object] = json.loads(report)
+    return result
+
+
+@needs_core
+def test_a_forked_child_gets_slow_from_an_inherited_state_even_one_held_at_the_fork() -> None:
+    generator = NativeStateIdGenerator(GeneratorSettings(worker_id=3))
+    state = generator.native_state
+    state.set_gate(float("inf"))
+    assert state.fast_call() >= 0
+    # Another thread holds the mutex when the fork is made: in the child nobody ever will
+    # let go of it.
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with state:
+            holding.set()
+            done.wait(PROMPTLY_S)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(PROMPTLY_S)
+
+    def child() -> dict[str, object]:
+        report: dict[str, object] = {"forked": state.forked, "fast": state.fast_call(FOREVER_S)}
+        ids, slow_calls = state.spin(3, lambda: None)
+        report["spin"] = [ids, slow_calls]
+        for name, call in [
+            ("next_id", generator.next_id),
+            ("acquire", state.acquire),
+            ("close", state.close),
+            ("set_gate", lambda: state.set_gate(1.0)),
+        ]:
+            try:
+                call()
+                report[name] = "no error"
+            except RuntimeError as e:
+                report[name] = str(e)
+        fresh = NativeStateIdGenerator(GeneratorSettings(worker_id=4))
+        fresh.native_state.set_gate(float("inf"))
+        report["fresh"] = [fresh.native_state.forked, fresh.native_state.fast_call()]
+        return report
+
+    try:
+        report = _in_a_child(child)
+    finally:
+        done.set()
+        holder.join(PROMPTLY_S)
+    assert report["forked"] is True
+    assert report["fast"] == SLOW, "not CONTENDED, and no wait for a vanished holder"
+    assert report["spin"] == [[], 0]
+    for name in ("next_id", "acquire", "close", "set_gate"):
+        assert "inherited across a fork" in str(report[name]), (name, report[name])
+    fresh = report["fresh"]  # a state made in the child serves
+    assert isinstance(fresh, list) and fresh[0] is False and fresh[1] >= 0, fresh
+    # The parent is unaffected.
+    assert not state.forked and state.fast_call() >= 0 and generator.next_id() >= 0
 
 
 # -- the hybrid under threads ------------------------------------------------------------
