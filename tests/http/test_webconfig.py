@@ -622,6 +622,7 @@ _DOCUMENTS = (
 )
 
 
+@pytest.mark.slow  # 300 documents: about 1.7 s
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(document=_DOCUMENTS)
 def test_any_yaml_document_is_loaded_or_a_configuration_error(document: object) -> None:
