@@ -434,46 +434,50 @@ class Node:
         if log_file is not None:
             # First, so that the line below lands in the new file the operator looks at.
             reload_step("the log file", log_file.reopen)
-        announce_reload((["the log file"] if log_file is not None else []) + self.reloadable())
-        reload_step("the TLS certificate", self._reload_tls)
-        if self._admin is not None:
-            reload_admin(self._admin, self.settings.admin.web_config_file)
-        reload_step("the ZooKeeper TLS check", self._check_zk_tls)
-        reload_step("the audit log", self._reopen_audit)
+        steps = self._reload_steps()
+        announce_reload((["the log file"] if log_file is not None else []) + list(steps))
+        for step in steps.values():
+            step()
 
     def reloadable(self) -> list[str]:
         """What :meth:`reload` reloads now (besides a log file), in its order: only what
         is configured and started."""
-        settings = self.settings
-        steps = [
-            (self._server is not None and bool(settings.serving.tls_cert),
-             "the API's TLS certificate"),
-            (self._admin is not None and bool(settings.admin.web_config_file),
-             "the admin endpoint's web configuration"),
-            (bool(settings.zookeeper and settings.zk_access.tls),
-             "the ZooKeeper TLS files (checked; the session is kept)"),
-            (self._audit is not None, "the audit log"),
-        ]  # fmt: skip
-        return [what for applies, what in steps if applies]
+        return list(self._reload_steps())
 
-    def _reload_tls(self) -> None:
-        if self._server is None or not self.settings.serving.tls_cert:
-            return
+    def _reload_steps(self) -> dict[str, Callable[[], object]]:
+        """The steps of :meth:`reload` that apply now, in order, by what its line calls
+        them: the one place that says which apply."""
+        settings, server, admin = self.settings, self._server, self._admin
+        steps: dict[str, Callable[[], object]] = {}
+        if server is not None and settings.serving.tls_cert:
+            steps["the API's TLS certificate"] = lambda: reload_step(
+                "the TLS certificate", lambda: self._reload_tls(server)
+            )
+        if admin is not None and settings.admin.web_config_file:
+            steps["the admin endpoint's web configuration"] = lambda: reload_admin(
+                admin, settings.admin.web_config_file
+            )
+        if settings.zookeeper and settings.zk_access.tls:
+            steps["the ZooKeeper TLS files (checked; the session is kept)"] = lambda: reload_step(
+                "the ZooKeeper TLS check", self._check_zk_tls
+            )
+        if self._audit is not None:
+            steps["the audit log"] = lambda: reload_step("the audit log", self._reopen_audit)
+        return steps
+
+    def _reload_tls(self, server: Server) -> None:
         try:
             context = self._tls_context()
         except ConfigurationError as e:
             log.error("SIGHUP: keeping the TLS certificate in use: %s", e)
         else:
             assert context is not None
-            self._server.set_tls(context)
+            server.set_tls(context)
             log.info("SIGHUP: new connections use the reloaded TLS certificate")
 
     def _check_zk_tls(self) -> None:
-        access = self.settings.zk_access
-        if not (self.settings.zookeeper and access.tls):
-            return
         try:
-            check_tls_files(access)
+            check_tls_files(self.settings.zk_access)
         except ConfigurationError as e:
             log.error(
                 "SIGHUP: the ZooKeeper TLS files do not load, so a reconnection would fail "
@@ -486,7 +490,8 @@ class Node:
             )
 
     def _reopen_audit(self) -> None:
-        if self._audit is not None and self._audit.reopen():
+        assert self._audit is not None
+        if self._audit.reopen():
             log.info("SIGHUP: reopened the audit log %s", self._audit.path)
 
     def close(self) -> None:

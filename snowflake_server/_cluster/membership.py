@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import KazooException, NoNodeError
+from kazoo.exceptions import KazooException
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.states import KeeperState
 from kazoo.retry import KazooRetry
@@ -517,9 +517,9 @@ class Cluster(Collector):
             self._registrations_pending = None
             try:
                 names = pending.get_nowait()
-            except NoNodeError:
-                names = []
             except Exception as e:  # noqa: BLE001 - only a gauge: the last count stands
+                # (nodes/<dc> gone too: this node's own registration lives there, so the
+                # supervision is busy registering again, and the next read counts afresh)
                 log.debug("free worker ids: %s", e)
                 return
             # ASCII digits only: int() also takes other scripts' digits, or refuses them.

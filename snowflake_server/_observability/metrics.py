@@ -144,6 +144,14 @@ class ConnectionStats:
             self.latency.setdefault(method, _Latency()).add(hist)
 
 
+def _summed(parts: Iterable[ConnectionStats]) -> ConnectionStats:
+    """The counts of ``parts`` added together."""
+    total = ConnectionStats()
+    for part in parts:
+        total.add(part)
+    return total
+
+
 class ServiceMetrics(Collector):
     """The metrics of one server process, as a prometheus-client collector.
 
@@ -223,10 +231,7 @@ class ServiceMetrics(Collector):
     def close_connection(self, stats: ConnectionStats, protocol: str = "thrift") -> None:
         with self._lock:
             self._live.discard(stats)
-            closed = self._closed.get(stats.protocol)
-            if closed is None:
-                closed = self._closed[stats.protocol] = ConnectionStats(stats.protocol)
-            closed.add(stats)
+            self._closed.setdefault(stats.protocol, ConnectionStats(stats.protocol)).add(stats)
             self._open[protocol] -= 1
 
     def count_rejected(self, protocol: str) -> None:
@@ -238,20 +243,14 @@ class ServiceMetrics(Collector):
 
     def totals(self) -> ConnectionStats:
         """Everything counted so far by every connection, open or closed."""
-        total = ConnectionStats()
-        for stats in self.totals_by_protocol().values():
-            total.add(stats)
-        return total
+        return _summed(self.totals_by_protocol().values())
 
     def totals_by_protocol(self) -> dict[str, ConnectionStats]:
         """Everything counted so far by every connection, open or closed, by protocol."""
         totals: dict[str, ConnectionStats] = {}
         with self._lock:
             for stats in (*self._closed.values(), *self._live):
-                total = totals.get(stats.protocol)
-                if total is None:
-                    total = totals[stats.protocol] = ConnectionStats(stats.protocol)
-                total.add(stats)
+                totals.setdefault(stats.protocol, ConnectionStats(stats.protocol)).add(stats)
         return totals
 
     def _methods_of(self, protocol: str) -> tuple[str, ...]:
@@ -266,9 +265,7 @@ class ServiceMetrics(Collector):
         # --http-port (its limit set); a protocol that counted anything is there too.
         for protocol in ("thrift", *self._limits):
             by_protocol.setdefault(protocol, ConnectionStats(protocol))
-        total = ConnectionStats()
-        for stats in by_protocol.values():
-            total.add(stats)
+        total = _summed(by_protocol.values())
         yield _counter("ids_generated", "Ids handed out.", counts.ids_generated)
         yield counter_by(
             "snowflake_ids_by_agent",
@@ -394,10 +391,10 @@ class ServiceMetrics(Collector):
             # Derived, not counted per call: every call answered is in its method's
             # latency histogram, and every failed one in the failures by kind and method.
             for method in sorted({*served, *total.latency}):
-                hist = total.latency.get(method)
+                hist = total.latency.get(method) or _Latency()
+                latency.add_metric([method, protocol], _cumulative(hist.counts), hist.total)
                 failed = {k: total.exceptions.get((k, method), 0) for k in CALL_FAILURES}
-                answered = sum(hist.counts) if hist is not None else 0
-                requests.add_metric([method, OK, protocol], answered - sum(failed.values()))
+                requests.add_metric([method, OK, protocol], sum(hist.counts) - sum(failed.values()))
                 for kind, n in failed.items():
                     requests.add_metric([method, kind, protocol], n)
             failures = dict.fromkeys(((k, m) for k in CALL_FAILURES for m in served), 0)
@@ -405,9 +402,6 @@ class ServiceMetrics(Collector):
             failures.update(total.exceptions)
             for (kind, method), n in sorted(failures.items()):
                 exceptions.add_metric([kind, method, protocol], n)
-            for method in sorted({*served, *total.latency}):
-                hist = total.latency.get(method, _Latency())
-                latency.add_metric([method, protocol], _cumulative(hist.counts), hist.total)
         yield requests
         yield exceptions
         yield latency

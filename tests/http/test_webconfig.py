@@ -351,6 +351,7 @@ def test_waiting_is_bounded_and_a_newcomer_ranks_by_its_last_check() -> None:
     # checked last; one that checked as recently is refused.
     assert auth.ask("10.0.0.3")
     assert auth.dispatch() == ([], ["10.0.0.1"])
+    assert not auth.ask("10.0.0.5")  # never seen either: it ranks no better, refused
     assert auth.next_event() == 4.0  # the next token
     now[0] = 4.0
     assert auth.dispatch() == (["10.0.0.2"], [])  # arrival order among the never-seen
@@ -364,6 +365,24 @@ def test_waiting_is_bounded_and_a_newcomer_ranks_by_its_last_check() -> None:
     assert auth.next_event() == 7.0
     now[0] = 7.0
     assert auth.dispatch() == ([], ["10.0.0.4"])
+
+
+def test_the_clients_remembered_are_bounded_and_a_forgotten_one_ranks_as_new() -> None:
+    """At most max_clients buckets and start times are kept (the least recent go first):
+    memory is bounded whatever the number of addresses, at the price the docstring says."""
+    now = [0.0]
+    auth = BasicAuth({"u": HASH.encode()}, checks_per_s=1.0, max_clients=1, clock=lambda: now[0])
+    for client in ("10.0.0.1", "10.0.0.2"):  # the second pushes the first out
+        assert auth.ask(client)
+        now[0] += 1.0
+        assert auth.dispatch() == ([client], [])
+        auth.checked(client)
+    now[0] += 0.5
+    assert auth.ask("10.0.0.1") and auth.ask("10.0.0.3")  # both wait for the next token
+    now[0] += 0.5
+    # Remembered, 10.0.0.1 would rank after the never-seen 10.0.0.3; forgotten, it ties
+    # with it and goes first, having asked first.
+    assert auth.dispatch() == (["10.0.0.1"], [])
 
 
 def test_a_flood_of_wrong_passwords_does_not_lock_prometheus_out(tmp_path: Path) -> None:
@@ -603,6 +622,7 @@ _DOCUMENTS = (
 )
 
 
+@pytest.mark.slow  # 300 documents: about 1.7 s
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(document=_DOCUMENTS)
 def test_any_yaml_document_is_loaded_or_a_configuration_error(document: object) -> None:

@@ -361,7 +361,11 @@ def test_a_static_id_is_registered_and_served(member: Make, zk: KazooClient, zk_
 
 
 def test_free_worker_ids_are_counted_from_the_registrations_read_every_30_s(
-    member: Make, zk: KazooClient, zk_path: str
+    member: Make,
+    zk: KazooClient,
+    zk_path: str,
+    log_events: LogEvents,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     node = member(worker_id=-1)
     worker_ids = node.slot.settings.layout.max_worker_id + 1
@@ -392,6 +396,21 @@ def test_free_worker_ids_are_counted_from_the_registrations_read_every_30_s(
         return samples(node.cluster)["snowflake_zookeeper_free_worker_ids"] == worker_ids - 1
 
     wait_until(counted, "the registrations read again")
+    # A read that fails (here refused: nobody may list nodes/0 any more) leaves the last
+    # count standing and costs the supervision nothing: it keeps registered and serving.
+    hold(zk, f"{zk_path}/nodes/0/7", node.address)  # not seen: the read is refused
+    zk.set_acls(f"{zk_path}/nodes/0", [make_digest_acl("someone", "else", all=True)])
+    caplog.set_level(logging.DEBUG, logger="snowflake_server._cluster.membership")
+    node.gate.advance(30.0)
+    node.tick()  # asks
+
+    def refused() -> object:
+        node.tick()  # takes the answer once it is there
+        return any(m.startswith("free worker ids: ") for m in log_events.messages)
+
+    wait_until(refused, "the refused read taken")
+    assert samples(node.cluster)["snowflake_zookeeper_free_worker_ids"] == worker_ids - 1
+    assert node.slot.serving
 
 
 def test_no_free_worker_ids_gauge_without_the_peer_checks(member: Make) -> None:

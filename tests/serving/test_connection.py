@@ -218,6 +218,7 @@ def _stepped_back_server(
     return InProcessServer(settings_, tmp_path, clock=clock), offset
 
 
+@pytest.mark.slow  # about a second of real time
 def test_a_client_gone_while_its_call_waits_still_has_its_ids_counted(tmp_path: Path) -> None:
     server, offset = _stepped_back_server(tmp_path)
     with server:
@@ -298,6 +299,7 @@ def test_tls_close_notify_and_a_silent_handshake(
         )
 
 
+@pytest.mark.slow  # about a second of real time
 def test_an_idle_client_that_never_reads_its_replies_is_cut_off(tmp_path: Path) -> None:
     with InProcessServer(ServerSettings(idle_timeout=0.3), tmp_path) as server:
         with connect(server) as flood:
