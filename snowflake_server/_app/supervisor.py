@@ -205,7 +205,9 @@ class Supervisor(Collector):
         self._watch_pool = rounds_pool
         self._metrics_pool: ThreadPoolExecutor | None = None
 
-    def _child_settings(self, index: int, port: int, http_port: int) -> ServerSettings:
+    def child_settings(self, index: int, port: int, http_port: int) -> ServerSettings:
+        """The settings of child ``index``: the parent's, on the shared ``port``, with its
+        own worker id, its admin endpoint on loopback, its share of the CPUs."""
         settings = self._settings
         first = settings.worker_number
         worker_id = first if settings.auto_worker_id else first + index
@@ -216,6 +218,8 @@ class Supervisor(Collector):
             http_port=http_port,
             processes=1,
             reuse_port=True,
+            # The CPUs shared among the processes: resolved here, where their number is known.
+            native_threads=settings.native_thread_count,
             worker_id=worker_id,
             metrics_host="127.0.0.1",
             metrics_port=0,
@@ -273,7 +277,7 @@ class Supervisor(Collector):
             for index in range(settings.processes):
                 if self._stop.is_set():
                     break
-                child = Child(index, self._child_settings(index, port, http_port), self._origin)
+                child = Child(index, self.child_settings(index, port, http_port), self._origin)
                 self.adopt(child)
                 try:
                     child.spawn(self._clock())

@@ -25,6 +25,7 @@ from .settings import (
     AUTO_WORKER_ID,
     LOG_FORMATS,
     LOG_LEVELS,
+    MAX_NATIVE_THREADS,
     FromMachine,
     ServerSettings,
     datacenter_filled,
@@ -61,6 +62,12 @@ def _worker_id(text: str) -> int | FromMachine:
         pass
     if not _INTEGER.fullmatch(text.strip()):
         raise ValueError("must be a number, auto, ordinal, ip or mac")
+    return _integer(text)
+
+
+def _native_threads(text: str) -> int | None:
+    if text.strip().lower() == "auto":
+        return None
     return _integer(text)
 
 
@@ -323,12 +330,18 @@ OPTIONS: tuple[Option, ...] = (
            "leased with auto.", "N"),
     Option("reuse_port", _bool,
            "Let several processes listen on --port (SO_REUSEPORT); --processes sets it."),
+    Option("native_threads", _native_threads,
+           "Threads of the native core answering get_id on the Thrift port (framed, "
+           "without TLS) beside the Python server, which serves everything else; 'auto' "
+           "(the default): the CPUs this process may use divided by --processes, at "
+           f"least 1; 0: Python serves every request. At most {MAX_NATIVE_THREADS}. "
+           "Without the native core built (or with SNOWFLAKE_NO_NATIVE=1 in the "
+           "environment) Python serves, whatever this says.", "N"),
 )  # fmt: skip
 
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("server", ("host", "port", "transport", "idle_timeout", "request_timeout", "processes",
-                "reuse_port",
-                "drain_seconds", "http_host", "http_port")),
+                "reuse_port", "native_threads", "drain_seconds", "http_host", "http_port")),
     ("ids & layout", ("datacenter_id", "worker_id", "force_node_id", "epoch", "timestamp_bits",
                       "datacenter_id_bits", "worker_id_bits", "sequence_bits",
                       "clock_sequence_bits", "sequence_start")),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeVar
 
@@ -40,6 +41,7 @@ __all__ = [
     "check_zk_tls",
 ]
 
+MAX_NATIVE_THREADS = 64
 AUTO_WORKER_ID = -1
 """``--worker-id auto``: lease the lowest free worker id from ZooKeeper."""
 HTTP_OFF = -1
@@ -211,6 +213,8 @@ class ServingSettings:
     tls_client_ca: str
     http_host: str
     http_port: int  # HTTP_OFF: no HTTP/JSON API
+    native_threads: int = 0
+    """Native threads for the Thrift port's get_id (0: Python serves every request)."""
 
     @property
     def http(self) -> bool:
@@ -328,6 +332,7 @@ class ServerSettings:
     audit_queue: int = 100_000
     processes: int = 1
     reuse_port: bool = False
+    native_threads: int | None = None  # see native_thread_count
     http_host: str = "127.0.0.1"
     http_port: int = HTTP_OFF
 
@@ -340,6 +345,8 @@ class ServerSettings:
             _within(name, getattr(self, name), 1, None)
         for name in ("max_agents", "max_backwards_ms"):
             _within(name, getattr(self, name), 0, None)
+        if self.native_threads is not None:
+            _within("native_threads", self.native_threads, 0, MAX_NATIVE_THREADS)
         # inf means "never refuse" for the start-up wait and the peers' skew; for the
         # timeouts it is no setting at all (0 is "never" for the idle timeout).
         for name in ("zk_session_timeout", "zk_connect_timeout"):
@@ -450,7 +457,15 @@ class ServerSettings:
 
     @property
     def serving(self) -> ServingSettings:
-        return self._view(ServingSettings)
+        return self._view(ServingSettings, native_threads=self.native_thread_count)
+
+    @property
+    def native_thread_count(self) -> int:
+        """``--native-threads`` if given; else the CPUs this process may run on, shared
+        by ``--processes`` (at least one each)."""
+        if self.native_threads is not None:
+            return self.native_threads
+        return max(1, len(os.sched_getaffinity(0)) // self.processes)
 
     @property
     def admin(self) -> AdminSettings:

@@ -236,6 +236,26 @@ def test_the_first_start_wait_is_derived_unless_given(tmp_path: Path) -> None:
     assert "0: no wait. (env SNOWFLAKE_FIRST_START_WAIT)" in help_text, "no default shown"
 
 
+def test_native_threads_share_the_cpus_unless_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(6)))
+    assert ServerSettings().serving.native_threads == 6, "auto: every CPU this process may use"
+    assert ServerSettings(processes=4).serving.native_threads == 1, "6 // 4, shared by processes"
+    assert ServerSettings(processes=8).serving.native_threads == 1, "at least one each"
+    assert load_settings(["--native-threads", "0"], {}).serving.native_threads == 0
+    assert load_settings([], {"SNOWFLAKE_NATIVE_THREADS": "auto"}).native_threads is None
+    config = tmp_path / "snowflake.toml"
+    config.write_text("native-threads = 3\n")
+    assert load_settings(["--config", str(config)], {}).serving.native_threads == 3
+    with pytest.raises(ConfigurationError, match="native_threads"):
+        ServerSettings(native_threads=65)
+    with pytest.raises(ConfigurationError, match="native_threads"):
+        ServerSettings(native_threads=-1)
+    with pytest.raises(ConfigurationError, match="whole number"):
+        load_settings(["--native-threads", "many"], {})
+
+
 def test_the_probes_settings_and_their_narrow_view(tmp_path: Path) -> None:
     defaults = ServerSettings().probes
     assert (defaults.max_lag_s, defaults.max_stall_s, defaults.window_s) == (0.25, 30.0, 5.0)

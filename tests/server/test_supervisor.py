@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,18 @@ def test_children_get_exactly_the_parents_settings(worker_id: str) -> None:
          "--state-dir", "/s", "--idle-timeout", "5", "--force-node-id"], {},
     )  # fmt: skip
     assert load_settings(child_argv(settings), {}) == settings
+
+
+def test_children_share_the_cpus_among_their_native_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(8)))
+    settings = load_settings(["--processes", "4", "--worker-id", "3"], {})
+    child = Supervisor(settings).child_settings(1, 7609, -1)
+    assert (child.processes, child.worker_id, child.native_threads) == (1, 4, 2)
+    assert load_settings(child_argv(child), {}).serving.native_threads == 2
+    given = Supervisor(replace(settings, native_threads=0)).child_settings(0, 7609, -1)
+    assert given.serving.native_threads == 0, "a number given is every child's"
 
 
 def test_children_are_told_where_their_worker_ids_came_from() -> None:
