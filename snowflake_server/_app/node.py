@@ -26,7 +26,7 @@ import ssl
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import KazooException, NoAuthError
@@ -64,6 +64,9 @@ from .notify import Notifier
 from .ready import ready_line
 from .signals import on_signal
 
+if TYPE_CHECKING:
+    from .._native._core import GeneratorState
+
 __all__ = ["Mode", "Node", "clustered", "serve", "standalone"]
 
 log = logging.getLogger("snowflake_server")
@@ -100,6 +103,11 @@ class Mode:
     port and a way to defer a close to shutdown, before the Thrift server's close."""
     interrupt: Callable[[], None] = lambda: None
     """Ends the mode's start-up waits at once (a stop was asked); from any thread."""
+    watch_native: Callable[[Callable[[GeneratorState | None], None]], None] = lambda watcher: (
+        watcher(None)
+    )
+    """Tells a watcher the native generator state ids come from now, and each time that
+    changes (None: none; native threads then hand every call to Python)."""
 
 
 def standalone(
@@ -118,6 +126,7 @@ def standalone(
         source=worker.generator,
         collectors=[worker.reservation],
         unavailable=worker.unavailable_reason,
+        watch_native=lambda watcher: watcher(state),
     )
 
 
@@ -132,7 +141,10 @@ def clustered(
     set (or :attr:`Mode.interrupt` is called)."""
     slot = WorkerSlot(settings.ids, SessionGate())
     mode = Mode(
-        source=slot, collectors=[CurrentReservation(slot)], unavailable=slot.unavailable_reason
+        source=slot,
+        collectors=[CurrentReservation(slot)],
+        unavailable=slot.unavailable_reason,
+        watch_native=slot.watch,
     )
 
     def open_worker(

@@ -10,7 +10,8 @@ native threads; calls through the slot check the gate themselves.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
@@ -19,6 +20,9 @@ from .._errors import UnavailableError
 from .._ids.generator import GeneratorCounters, GeneratorSettings, IdGenerator
 from .._state.worker import Worker
 from .gate import SessionGate
+
+if TYPE_CHECKING:
+    from .._native._core import GeneratorState
 
 __all__ = ["CurrentReservation", "WorkerSlot"]
 
@@ -37,6 +41,7 @@ class WorkerSlot:
         self._lock = threading.Lock()
         self._worker: Worker | None = None
         self._retired = GeneratorCounters()
+        self._watchers: list[Callable[[GeneratorState | None], None]] = []
 
     @property
     def worker(self) -> Worker | None:
@@ -47,6 +52,16 @@ class WorkerSlot:
             assert self._worker is None, "retire the old worker first"
             self._worker = worker
         self.gate.attach(worker.native_state)
+        for watcher in self._watchers:
+            watcher(worker.native_state)
+
+    def watch(self, watcher: Callable[[GeneratorState | None], None]) -> None:
+        """Tell ``watcher`` the native state of every worker installed from now on (its
+        gate closed until proven) and None once it is retired (closed and sealed first),
+        starting with the current one's: what native threads issue from."""
+        self._watchers.append(watcher)
+        worker = self._worker
+        watcher(None if worker is None else worker.native_state)
 
     def retire(self, reason: str | None = None) -> Worker | None:
         """Close the gate (calls are told ``reason``; None: the reason already given) and
@@ -60,6 +75,8 @@ class WorkerSlot:
             return None
         worker.close()  # sealed: its counters are final
         self.gate.attach(None)
+        for watcher in self._watchers:
+            watcher(None)
         with self._lock:
             self._worker = None
             self._retired += worker.generator.counters()

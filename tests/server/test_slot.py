@@ -131,7 +131,15 @@ def test_the_installed_workers_native_state_follows_the_gate_and_is_sealed_on_re
     worker = open_worker(tmp_path, clock, worker_id=5)
     state = worker.native_state
     assert state is not None, "the native core is there: the worker's state is native"
+    seen: list[object] = []
+
+    def watcher(now: object) -> None:
+        seen.append((now, state.sealed))  # whether the old state was sealed when told
+
+    slot.watch(watcher)
+    assert seen == [(None, False)], "no worker yet"
     slot.install(worker)
+    assert seen[-1] == (state, False), "a watcher is told the state native threads issue from"
     assert slot.gate.attached is state and not state.gate_open
     deadline = opened(slot.gate)
     assert state.gate_until == deadline
@@ -143,4 +151,7 @@ def test_the_installed_workers_native_state_follows_the_gate_and_is_sealed_on_re
     clock_s.now = 1000.0
     assert slot.retire("this node is stopping") is worker
     assert state.sealed and not state.gate_open and slot.gate.attached is None
+    assert seen[-1] == (None, True), "told once retired, after the seal"
+    slot.watch(watcher)
+    assert seen[-1] == (None, True), "a late watcher: no worker now"
     assert state.next_id(clock(), clock_s.now) is None
