@@ -24,12 +24,14 @@ GO_THRIFT ?= /usr/share/gocode/src/github.com/apache/thrift
 # The benchmark builds its Java and Go anchors with the same, and its load generator
 # with the C compiler and libc's headers (gcc without its recommends has none).
 C_TOOLCHAIN := cc:gcc /usr/include/arpa/inet.h:libc6-dev
+# The native core (snowflake_server/_native) is built against this Python's headers.
+PY_HEADER   := $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h
 THRIFT_TOOLCHAINS := thrift:thrift-compiler \
 	javac:default-jdk-headless /usr/share/java/thrift.jar:libthrift-java \
 	/usr/share/java/slf4j-nop.jar:libslf4j-java \
 	go:golang-go $(GO_THRIFT)/lib/go/thrift/transport.go:golang-thrift-dev
 TEST_TOOLS := faketime:faketime /usr/share/java/zookeeper.jar:libzookeeper-java \
-	node:nodejs npm:npm $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS) \
+	node:nodejs npm:npm $(C_TOOLCHAIN) $(PY_HEADER):python3-dev $(THRIFT_TOOLCHAINS) \
 	podman:podman debootstrap:debootstrap systemd-analyze:systemd /bin/kill:procps \
 	ip:iproute2
 BENCH_TOOLS := $(C_TOOLCHAIN) $(THRIFT_TOOLCHAINS) wrk:wrk
@@ -254,7 +256,7 @@ PYTEST_WORKERS ?= 2
 
 # The servers the tests start in their own processes are measured too ([run] patch =
 # subprocess in pyproject.toml). pytest's exit code 5 (no tests ran) fails like any other.
-test: install system-deps node-deps prometheus-tools check
+test: install system-deps native node-deps prometheus-tools check
 	rm -f .coverage .coverage.*
 	PATH="$(abspath $(PROMETHEUS_BIN)):$$PATH" \
 	  $(BIN)/coverage run -m pytest -n $(PYTEST_WORKERS) --dist loadfile
@@ -321,6 +323,8 @@ SANITIZE_ENV_tsan := TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
 
 native: $(VENV)/.installed
 	$(BIN)/python setup.py -q build_ext --inplace --force
+	@$(BIN)/python -c 'from snowflake_server._native import native_core; import sys; \
+	  sys.exit(0 if native_core() else "the native core did not build: see the compiler output above")'
 
 native-sanitize: $(VENV)/.installed
 	@set -e; for pair in $(SANITIZERS); do kind=$${pair%%:*}; flags=$${pair##*:}; \
