@@ -281,19 +281,23 @@ def test_the_native_counters_mean_what_the_python_ones_mean() -> None:
 @needs_core
 def test_native_calls_are_summed_into_every_thrift_series_at_scrape() -> None:
     _, metrics = make_metrics(max_agents=2)
-    # alpha and beta get labels of their own; gamma and delta count as OVERFLOW_AGENT.
-    registry = registered(metrics, ["alpha", "beta", "gamma", "delta"])
-    stats = core.NativeStats(2)
-    metrics.add_native(stats, registry)
+    # Python serves alpha and beta first: they get labels of their own, and gamma and delta
+    # count as OVERFLOW_AGENT. Registered in another order, so that registry and label
+    # indices differ (0, 1, 2, 3 -> 0, 0, 1, 2).
     python = metrics.open_connection()
     for _ in range(5):
         python.count_ids(metrics.agent_label("alpha"), 1)
         python.observe("get_id", 0.00003)
+    metrics.agent_label("beta")
+    gamma, delta, alpha, beta = range(4)
+    registry = registered(metrics, ["gamma", "delta", "alpha", "beta"])
+    stats = core.NativeStats(2)
+    metrics.add_native(stats, registry)
     calls = [  # (thread, registry index, latency ns)
-        *[(0, 0, 30_000)] * 3,
-        *[(0, 2, 2_000_000)] * 2,
-        (1, 1, 20_000),
-        *[(1, 3, 2_000_000_000)] * 4,
+        *[(0, alpha, 30_000)] * 3,
+        *[(0, gamma, 2_000_000)] * 2,
+        (1, beta, 20_000),
+        *[(1, delta, 2_000_000_000)] * 4,
     ]
     for thread, agent, ns in calls:
         stats.record_call(thread, agent, ns)
