@@ -45,6 +45,7 @@ from .._http.protocol import HttpProtocol
 from .._http.webconfig import WebConfig, load_web_config
 from .._ids.clocks import wall_clock_ms
 from .._ids.generator import IdSource
+from .._native import native_core
 from .._observability.audit import AuditLog
 from .._observability.lifecycle import Lifecycle
 from .._observability.logs import LogFile
@@ -307,7 +308,10 @@ class Node:
         audit_settings = self.settings.audit
         if not audit_settings.path:
             return None
-        audit = AuditLog(audit_settings.path, audit_settings.queue)
+        # With the native core the bound lives in C, where native threads can share it.
+        core = native_core()
+        budget = None if core is None else core.AuditBudget(audit_settings.queue)
+        audit = AuditLog(audit_settings.path, audit_settings.queue, budget=budget)
         audit.start()
         self._cleanup.callback(audit.close)  # after the server: every id issued is written
         mode.collectors.append(audit)

@@ -14,6 +14,7 @@ import bisect
 import platform
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -31,11 +32,15 @@ from .._version import __version__
 from .clock import KernelClockReader, read_kernel_clock, synchronized
 from .logs import LOG_LIMIT
 
+if TYPE_CHECKING:
+    from .._native._core import AgentRegistry, NativeStats
+
 __all__ = [
     "CALL_FAILURES",
     "EXCEPTION_KINDS",
     "HTTP_METHODS",
     "LATENCY_BUCKETS_S",
+    "NATIVE_HANDOFF_REASONS",
     "NO_METHOD",
     "OK",
     "OVERFLOW_AGENT",
@@ -84,6 +89,12 @@ PROTOCOLS: tuple[str, ...] = ("thrift", "http")
 
 OVERFLOW_AGENT = "__overflow__"
 """The ``agent`` label of ids for agents past the bound; no valid agent starts with '_'."""
+
+NATIVE_HANDOFF_REASONS: tuple[str, ...] = (
+    "length", "request", "agent", "slow", "contended", "gate",
+)  # fmt: skip
+"""Why the native listener hands a frame to Python (``_core.HANDOFF_REASONS``; a test checks
+they agree): each gets a ``snowflake_native_handoffs`` series from the start, native core or not."""
 
 
 class _Latency:
@@ -180,6 +191,11 @@ class ServiceMetrics(Collector):
         self._max_agents = max_agents
         self._worker_id_source = worker_id_source
         self._agents: set[str] = set()
+        # Label indices for the native agent registry: dense, in order of first use, never
+        # forgotten (bounded by max_agents + 1: only labels agent_label gives get one).
+        self._labels: list[str] = []
+        self._label_index: dict[str, int] = {}
+        self._native: list[tuple[NativeStats, AgentRegistry]] = []
         self._lock = threading.Lock()
         self._live: set[ConnectionStats] = set()
         # The counts of closed connections, by protocol.
@@ -212,6 +228,38 @@ class ServiceMetrics(Collector):
                 self._agents.add(agent)
                 return agent
         return OVERFLOW_AGENT
+
+    def agent_index(self, label: str) -> int:
+        """The label index of ``label`` (one :meth:`agent_label` gave, or ``OVERFLOW_AGENT``)
+        for the native agent registry: the same index for the same label for the life of
+        this object, dense from 0. Raises ValueError for any other string."""
+        index = self._label_index.get(label)
+        if index is not None:
+            return index
+        if label != OVERFLOW_AGENT and label not in self._agents:
+            raise ValueError(f"{label!r} is not an agent label (agent_label gives them)")
+        with self._lock:
+            index = self._label_index.get(label)
+            if index is None:
+                index = len(self._labels)
+                # Listed before it is published: whoever sees the index can name it.
+                self._labels.append(label)
+                self._label_index[label] = index
+        return index
+
+    def agent_label_of(self, index: int) -> str:
+        """The label :meth:`agent_index` gave ``index``; IndexError if none."""
+        if index < 0:
+            raise IndexError(f"no agent label has index {index}")
+        return self._labels[index]
+
+    def add_native(self, stats: NativeStats, registry: AgentRegistry) -> None:
+        """Count a native listener's calls from now on: at each scrape ``stats`` is summed
+        into the thrift totals as one more connection's counts (its ids by the label each
+        agent was registered under in ``registry``, see :meth:`agent_index`), and it feeds
+        the ``snowflake_native_*`` series. Nothing is added to any call's cost."""
+        with self._lock:
+            self._native.append((stats, registry))
 
     def set_limit(self, protocol: str, limit: int) -> None:
         """The most connections ``protocol``'s port serves at once (reported beside the
@@ -246,12 +294,43 @@ class ServiceMetrics(Collector):
         return _summed(self.totals_by_protocol().values())
 
     def totals_by_protocol(self) -> dict[str, ConnectionStats]:
-        """Everything counted so far by every connection, open or closed, by protocol."""
+        """Everything counted so far by every connection, open or closed, by protocol
+        (native calls in thrift's)."""
+        return self._totals(self._native_snapshots())
+
+    def _native_snapshots(self) -> list[tuple[dict[str, Any], int]]:
+        """Each native listener's counters summed over its threads, and how many threads."""
+        with self._lock:
+            native = list(self._native)
+        return [(stats.snapshot(registry), stats.threads) for stats, registry in native]
+
+    def _totals(self, native: Iterable[tuple[dict[str, Any], int]]) -> dict[str, ConnectionStats]:
         totals: dict[str, ConnectionStats] = {}
         with self._lock:
             for stats in (*self._closed.values(), *self._live):
                 totals.setdefault(stats.protocol, ConnectionStats(stats.protocol)).add(stats)
+        for snapshot, _ in native:
+            totals.setdefault("thrift", ConnectionStats("thrift")).add(self._as_stats(snapshot))
         return totals
+
+    def _as_stats(self, snapshot: dict[str, Any]) -> ConnectionStats:
+        """A native snapshot as the counts of a thrift connection that served its calls:
+        get_id calls with their latency, ids by agent label, internal errors."""
+        stats = ConnectionStats("thrift")
+        labels = self._labels
+        for label_index, n in snapshot["ids"].items():
+            # Keys are label indices; a negative one is an agent the registry does not
+            # know, which native never serves: counted rather than lost all the same.
+            known = 0 <= label_index < len(labels)
+            stats.count_ids(labels[label_index] if known else OVERFLOW_AGENT, n)
+        calls = _Latency()
+        calls.counts = list(snapshot["latency_counts"])
+        calls.total = snapshot["latency_sum_ns"] / 1e9
+        if sum(calls.counts):
+            stats.latency["get_id"] = calls
+        if snapshot["internal_errors"]:
+            stats.exceptions[("internal_error", NO_METHOD)] = snapshot["internal_errors"]
+        return stats
 
     def _methods_of(self, protocol: str) -> tuple[str, ...]:
         """The methods ``protocol`` serves, each reported from the start."""
@@ -260,7 +339,8 @@ class ServiceMetrics(Collector):
     def collect(self) -> Iterable[Metric]:
         gen = self._generator
         counts = gen.counters()
-        by_protocol = self.totals_by_protocol()
+        native = self._native_snapshots()
+        by_protocol = self._totals(native)
         # The ports served get every series from the start: thrift always, http with
         # --http-port (its limit set); a protocol that counted anything is there too.
         for protocol in ("thrift", *self._limits):
@@ -321,6 +401,7 @@ class ServiceMetrics(Collector):
             "kept on the thrift port for the peer checks of joining nodes).",
             dict(self._limits),
         )
+        yield from _native_series(native)
         yield _counter(
             "turn_waits",
             "Times a connection had spent its share of the event loop and waited for its "
@@ -405,6 +486,33 @@ class ServiceMetrics(Collector):
         yield requests
         yield exceptions
         yield latency
+
+
+def _native_series(native: Sequence[tuple[dict[str, Any], int]]) -> Iterable[Metric]:
+    handoffs = dict.fromkeys(NATIVE_HANDOFF_REASONS, 0)
+    for snapshot, _ in native:
+        for reason, n in snapshot["handoffs"].items():
+            handoffs[reason] = handoffs.get(reason, 0) + n
+    yield _counter(
+        "native_calls",
+        "get_id calls answered by the native listener's threads (also counted in every "
+        "thrift series: requests, latency, ids by agent).",
+        sum(snapshot["calls"] for snapshot, _ in native),
+    )
+    yield counter_by(
+        "snowflake_native_handoffs",
+        "Frames the native listener handed to Python, by reason: length or request (not a "
+        "get_id it serves), agent (not registered natively yet: Python serves an agent "
+        "first), slow (a case only Python's generator resolves), contended (the generator "
+        "stayed busy), gate (the session gate closed or expired).",
+        "reason",
+        handoffs,
+    )
+    yield _gauge(
+        "native_threads",
+        "Threads of the native listener serving get_id (0: served by Python alone).",
+        sum(threads for _, threads in native),
+    )
 
 
 def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
