@@ -124,7 +124,7 @@ typedef struct sf_listener {
     int64_t limit;
     size_t high, low, forward_high;
     _Atomic int stopping;
-    int stopped;
+    _Atomic int stopped; /* read by adopt and step while stop runs without the GIL */
     pthread_mutex_t step_mu;
     pthread_mutex_t start_mu;
     pthread_cond_t start_cv;

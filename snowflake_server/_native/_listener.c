@@ -1465,6 +1465,37 @@ Listener_ticks(Listener *self, PyObject *Py_UNUSED(ignored))
     return list;
 }
 
+/* _break_epoll(thread): a test seam: the thread's epoll fd is replaced by /dev/null's (its
+ * waiting epoll_wait is woken), so its next epoll_wait fails with EINVAL, as a thread whose
+ * epoll broke: EV_LOST for each of its connections, then EV_THREAD_DIED. */
+static PyObject *
+Listener_break_epoll(Listener *self, PyObject *arg)
+{
+    int t;
+    if (listener_usable(self) < 0 || int_arg(arg, &t) < 0) {
+        return NULL;
+    }
+    if (t < 0 || t >= self->l->nthreads) {
+        PyErr_SetString(PyExc_IndexError, "no such native thread");
+        return NULL;
+    }
+    sf_thread *th = &self->l->threads[t];
+    int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (null < 0 || dup3(null, th->epfd, O_CLOEXEC) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        if (null >= 0) {
+            close(null);
+        }
+        return NULL;
+    }
+    close(null);
+    uint64_t one = 1;
+    if (write(th->wakefd, &one, sizeof one) < 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 Listener_events_fd(Listener *self, void *Py_UNUSED(closure))
 {
@@ -1527,6 +1558,8 @@ static PyMethodDef Listener_methods[] = {
      "set_state(state): the GeneratorState native issues from (None: every match handed over)."},
     {"take_audit", (PyCFunction)Listener_take_audit, METH_NOARGS,
      "take_audit(): (id, time_ms, agent_index) of every native id since the last call."},
+    {"_break_epoll", (PyCFunction)Listener_break_epoll, METH_O,
+     "_break_epoll(thread): that thread's next epoll_wait fails (a test seam)."},
     {"ticks", (PyCFunction)Listener_ticks, METH_NOARGS,
      "ticks(): per thread (seconds since its loop turned, its tick's most lateness since the "
      "last call)."},

@@ -276,10 +276,16 @@ def test_revoke_posts_the_kept_partial_frame_and_grant_is_refused_while_bytes_ar
     assert rig.handoffs() == {}  # a revoke is Python's decision, not a handoff
     assert not rig.listener.grant(handle, 0)
     assert not rig.listener.grant(handle, 19)
-    assert rig.listener.grant(handle, 20)
-    assert rig.listener.grant(handle, 20)  # already leased
+    # Refused means refused: the next bytes are still Python's.
+    peer.sendall(frame(2))
+    rig.step()
+    assert rig.events() == [(core.EV_DATA, handle, frame(2))]
+    assert rig.listener.served(handle) == 0
+    forwarded = 20 + len(frame(2))
+    assert rig.listener.grant(handle, forwarded)
+    assert rig.listener.grant(handle, forwarded)  # already leased
     rig.listener.close(handle)
-    assert not rig.listener.grant(handle, 20)
+    assert not rig.listener.grant(handle, forwarded)
 
 
 def test_leaseless_bytes_are_forwarded_as_read_and_reading_off_stops_reads(rig: Rig) -> None:
@@ -403,9 +409,11 @@ def test_a_write_past_high_says_it_paused_and_no_event_is_posted_for_it(
     unsent, paused = rig.listener.write(handle, blob)
     assert unsent > 100 and paused is True
     assert rig.listener.out_len(handle) == unsent
+    # The peer makes room, but what is in out goes first: "end" waits behind it.
+    received = pending(peer)
+    assert received
     unsent2, paused2 = rig.listener.write(handle, b"end")
     assert (unsent2, paused2) == (unsent + 3, False)  # paused already
-    received = b""
     events: list[tuple[Any, ...]] = []
     deadline = time.monotonic() + PROMPTLY_S
     while len(received) < len(blob) + 3 and time.monotonic() < deadline:
@@ -686,6 +694,31 @@ def test_native_threads_serve_pipelining_clients_with_unique_increasing_ids(
     assert side.lost == set()  # stop posts nothing
     side.serve()
     assert side.lost == set()
+
+
+def test_a_thread_whose_epoll_fails_loses_its_connections_and_says_it_died(
+    request: pytest.FixtureRequest,
+) -> None:
+    rig = make_rig(request, threads=2)
+    rig.listener.start()
+    (first, _), (second, peer) = rig.adopt(), rig.adopt()  # round robin: threads 0 and 1
+    rig.listener._break_epoll(0)
+    events: list[tuple[Any, ...]] = []
+
+    def died() -> bool:
+        events.extend(rig.events())
+        return (core.EV_THREAD_DIED, 0, errno.EINVAL) in events
+
+    wait_until(died, "thread 0 died")
+    assert events == [(core.EV_LOST, first, errno.EINVAL), (core.EV_THREAD_DIED, 0, errno.EINVAL)]
+    assert rig.listener.write(first, b"x") == (0, False)
+    # The other thread serves on, and takes every new connection.
+    third, other = rig.adopt()
+    for handle, client_end in [(second, peer), (third, other)]:
+        client_end.sendall(frame(1))
+        reply_ids(recv_exactly(client_end, REPLY), [1])
+        assert rig.listener.served(handle) == 1
+    assert rig.listener.stop() is True
 
 
 def thread_count() -> int:
