@@ -308,7 +308,7 @@ test-fast: install prometheus-tools
 # (CPython keeps its objects to the end), and any report fails the run (--capture=sys: pytest
 # must not swallow a report written to file descriptor 2 by a process the sanitizer stops).
 NATIVE_TESTS   ?= tests/server/test_native_generator.py tests/server/test_generator.py \
-	tests/server/test_native_parser.py
+	tests/server/test_native_parser.py tests/serving/test_native_listener.py
 SANITIZE_BUILD ?= build/sanitize
 NATIVE_SRC     := snowflake_server/_native/_core.c snowflake_server/_native/_listener.c
 PY_INCLUDE      = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')

@@ -60,7 +60,11 @@ def native_extensions(environ: dict[str, str]) -> list[Extension]:
         Extension(
             "snowflake_server._native._core",
             ["snowflake_server/_native/_core.c", "snowflake_server/_native/_listener.c"],
-            depends=["snowflake_server/_native/_listener.h"],
+            depends=[
+                "snowflake_server/_native/_listener.h",
+                "snowflake_server/_native/_conn.h",
+                "snowflake_server/_native/_state.h",
+            ],
             extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-pthread"],
             extra_link_args=["-pthread"],
             optional=True,

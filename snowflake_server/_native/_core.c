@@ -55,37 +55,8 @@ after_fork_in_child(void)
 
 int sf_listener_init(PyObject *module); /* _listener.c: the listener's parser, registry, stats */
 
-typedef struct {
-    PyObject_HEAD
-    pthread_mutex_t mutex;
-    /* The Python thread holding the mutex through acquire() (0: none): atomic, since a
-     * thread that does not hold the mutex reads it to refuse a release or a second lock. */
-    unsigned long py_owner;
-    /* Set (atomic) by the holder while it waits out a clock step or writes a clock-sequence
-     * switch under the mutex (IdGenerator._long_hold): a fast call then gives up at once. */
-    int long_hold;
-    /* Native fast calls trying the mutex right now (atomic; what tests wait on). */
-    int spinning;
-    /* fork_generation when the state was made: another one means a fork's inherited copy. */
-    unsigned long generation;
-    /* Constants of the layout. */
-    int64_t epoch;
-    int64_t ts_shift;
-    int64_t max_sequence;
-    int zero_start; /* sequences start at zero (not at a random offset) */
-    /* IdGenerator's fields of the same names (without the leading underscore). */
-    int64_t last_ts;
-    int64_t sequence;
-    int64_t base;
-    int64_t first_sequence;
-    int64_t ids_before_this_ms;
-    int64_t ceiling;
-    int64_t node;
-    int sealed;
-    /* The session gate: ids only while open and the boot clock is at or before gate_until. */
-    int gate_open;
-    double gate_until;
-} GeneratorState;
+/* The struct lives in _state.h, with what the listener (_listener.c) calls. */
+#include "_state.h"
 
 /* The fast call. Caller holds the mutex. Touches nothing when it returns SLOW. */
 static inline int64_t
@@ -163,9 +134,12 @@ long_held(GeneratorState *s)
  * a stale state (a fork's copy); CONTENDED if the mutex is held with long_hold set, or
  * still held after spin_ns of tries. */
 static int64_t
-fast_try(GeneratorState *s, int64_t spin_ns)
+fast_try_why(GeneratorState *s, int64_t spin_ns, int *gate)
 {
     if (stale(s)) {
+        if (gate != NULL) {
+            *gate = 1;
+        }
         return SLOW;
     }
     if (pthread_mutex_trylock(&s->mutex) != 0) {
@@ -194,9 +168,39 @@ fast_try(GeneratorState *s, int64_t spin_ns)
             return CONTENDED;
         }
     }
-    int64_t id = fast_locked(s, wall_ms(), boot_s());
+    int64_t now = wall_ms();
+    double boot = boot_s();
+    int64_t id = fast_locked(s, now, boot);
+    if (id == SLOW && gate != NULL) {
+        /* Why, read under the mutex: the gate (closed, past its deadline) or a seal stops
+         * every call until Python changes it; anything else is this call's own case. */
+        *gate = !s->gate_open || !(boot <= s->gate_until) || s->sealed;
+    }
     pthread_mutex_unlock(&s->mutex);
     return id;
+}
+
+static int64_t
+fast_try(GeneratorState *s, int64_t spin_ns)
+{
+    return fast_try_why(s, spin_ns, NULL);
+}
+
+int64_t
+sf_fast_try(GeneratorState *s, int64_t spin_ns, int *gate, int64_t *time_ms)
+{
+    int64_t id = fast_try_why(s, spin_ns, gate);
+    if (id >= 0 && time_ms != NULL) {
+        /* The id's own ms: its timestamp bits plus the epoch (constants of the layout). */
+        *time_ms = (id >> s->ts_shift) + s->epoch;
+    }
+    return id;
+}
+
+unsigned long
+sf_fork_generation(void)
+{
+    return __atomic_load_n(&fork_generation, __ATOMIC_RELAXED);
 }
 
 static inline int64_t
@@ -763,6 +767,12 @@ static PyTypeObject GeneratorStateType = {
     .tp_methods = GeneratorState_methods,
     .tp_getset = GeneratorState_getset,
 };
+
+int
+sf_is_generator_state(PyObject *o)
+{
+    return PyObject_TypeCheck(o, &GeneratorStateType);
+}
 
 static struct PyModuleDef core_module = {
     PyModuleDef_HEAD_INIT,

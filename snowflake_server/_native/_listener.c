@@ -11,7 +11,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_conn.h"
 #include "_listener.h"
+#include "_state.h"
 
 int sf_listener_init(PyObject *module);
 
@@ -802,6 +804,794 @@ static PyTypeObject AuditBudgetType = {
     .tp_getset = AuditBudget_getset,
 };
 
+/* ---- Listener: the connection machine (_conn.h) ----------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    sf_listener *l;
+    int threads;         /* 0: step mode */
+    int started;
+    unsigned long generation; /* sf_fork_generation() when made */
+    PyObject *registry, *stats, *budget;
+    PyObject *states; /* every GeneratorState ever given: set_state's pointer stays valid */
+} Listener;
+
+/* An int argument (PyLong_AsInt is 3.13's): -1 with an error set, else 0. */
+static int
+int_arg(PyObject *o, int *out)
+{
+    long v = PyLong_AsLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (v < INT_MIN || v > INT_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "out of an int's range");
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static int64_t
+listener_fast(void *state, int64_t spin_ns, int *gate, int64_t *time_ms)
+{
+    return sf_fast_try((GeneratorState *)state, spin_ns, gate, time_ms);
+}
+
+/* -1 with RuntimeError set in a fork's child or on a listener not made. */
+static int
+listener_usable(Listener *self)
+{
+    if (self->l == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the listener was not made");
+        return -1;
+    }
+    if (self->generation != sf_fork_generation()) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "this native listener was inherited across a fork: its threads and "
+                        "connections are the parent's; make a new one in the child");
+        return -1;
+    }
+    return 0;
+}
+
+static int
+size_arg(PyObject *o, const char *name, size_t *out)
+{
+    if (o == NULL) {
+        return 0;
+    }
+    long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (v < 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be >= 0", name);
+        return -1;
+    }
+    *out = (size_t)v;
+    return 0;
+}
+
+static PyObject *
+Listener_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"threads", "registry", "stats", "limit", "budget", "high",
+                             "low", "forward_high", "max_conns", NULL};
+    int threads;
+    PyObject *registry, *stats, *limit_o, *budget = Py_None;
+    PyObject *high_o = NULL, *low_o = NULL, *fwd_o = NULL;
+    long long max_conns = 65536;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!O!O|$OOOOL", kwlist, &threads,
+                                     &AgentRegistryType, &registry, &NativeStatsType, &stats,
+                                     &limit_o, &budget, &high_o, &low_o, &fwd_o, &max_conns)) {
+        return NULL;
+    }
+    int64_t limit;
+    size_t high = 65536, low = 16384, fwd = 65536;
+    if (limit_arg(limit_o, &limit) < 0 || size_arg(high_o, "high", &high) < 0 ||
+        size_arg(low_o, "low", &low) < 0 || size_arg(fwd_o, "forward_high", &fwd) < 0) {
+        return NULL;
+    }
+    if (threads < 0 || threads > 1024) {
+        PyErr_SetString(PyExc_ValueError, "threads must be in [0, 1024]");
+        return NULL;
+    }
+    if (((NativeStats *)stats)->threads < (threads ? threads : 1)) {
+        PyErr_SetString(PyExc_ValueError, "stats has fewer threads than the listener");
+        return NULL;
+    }
+    if (low > high) {
+        PyErr_SetString(PyExc_ValueError, "low must be at most high");
+        return NULL;
+    }
+    if (max_conns < 1 || max_conns > (1LL << 24)) {
+        PyErr_SetString(PyExc_ValueError, "max_conns must be in [1, 2**24]");
+        return NULL;
+    }
+    if (budget != Py_None && !PyObject_TypeCheck(budget, &AuditBudgetType)) {
+        PyErr_SetString(PyExc_TypeError, "budget must be an AuditBudget or None");
+        return NULL;
+    }
+    Listener *self = (Listener *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->states = PyList_New(0);
+    if (self->states == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    sf_listener *l = sf_listener_new(threads, (uint32_t)max_conns, ((NativeStats *)stats)->t);
+    if (l == NULL) {
+        Py_DECREF(self);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    l->fast = listener_fast;
+    l->registry = ((AgentRegistry *)registry)->r;
+    l->budget = budget == Py_None ? NULL : &((AuditBudget *)budget)->b;
+    l->limit = limit;
+    l->high = high;
+    l->low = low;
+    l->forward_high = fwd;
+    atomic_init(&l->state, NULL);
+    self->l = l;
+    self->threads = threads;
+    self->generation = sf_fork_generation();
+    self->registry = Py_NewRef(registry);
+    self->stats = Py_NewRef(stats);
+    self->budget = Py_NewRef(budget);
+    return (PyObject *)self;
+}
+
+/* Stops and joins with the GIL released: 1 if every thread joined by timeout_s. */
+static int
+listener_stop(Listener *self, double timeout_s)
+{
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    double whole = floor(timeout_s);
+    deadline.tv_sec += (time_t)whole;
+    deadline.tv_nsec += (long)((timeout_s - whole) * 1e9);
+    if (deadline.tv_nsec >= 1000000000L) {
+        deadline.tv_sec += 1;
+        deadline.tv_nsec -= 1000000000L;
+    }
+    int joined;
+    sf_listener *l = self->l;
+    Py_BEGIN_ALLOW_THREADS
+    joined = sf_stop(l, &deadline);
+    Py_END_ALLOW_THREADS
+    return joined;
+}
+
+static void
+Listener_dealloc(Listener *self)
+{
+    if (self->l != NULL && self->generation == sf_fork_generation()) {
+        /* A thread still running over the listener keeps it (and its references). */
+        if (listener_stop(self, 1.0)) {
+            sf_listener_free(self->l);
+            Py_CLEAR(self->states);
+        } else {
+            self->states = NULL;
+            self->registry = self->stats = self->budget = NULL;
+        }
+    }
+    /* In a fork's child the parent's threads and mutexes are not ours: leaked as they are. */
+    Py_XDECREF(self->states);
+    Py_XDECREF(self->registry);
+    Py_XDECREF(self->stats);
+    Py_XDECREF(self->budget);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+handle_arg(PyObject *o, uint64_t *h)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            *h = UINT64_MAX; /* no connection's: a stale handle does nothing */
+            return 0;
+        }
+        return -1;
+    }
+    *h = v;
+    return 0;
+}
+
+/* The handle's connection, locked (the GIL released while its mutex is busy), or NULL:
+ * stale (no error set) or an error (set). */
+static sf_conn *
+listener_conn(Listener *self, PyObject *handle)
+{
+    uint64_t h;
+    if (listener_usable(self) < 0 || handle_arg(handle, &h) < 0) {
+        return NULL;
+    }
+    sf_conn *c = sf_conn_find(self->l, h);
+    if (c == NULL) {
+        return NULL;
+    }
+    if (pthread_mutex_trylock(&c->mu) != 0) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&c->mu);
+        Py_END_ALLOW_THREADS
+    }
+    if (!sf_conn_valid(c, h)) {
+        pthread_mutex_unlock(&c->mu);
+        return NULL;
+    }
+    return c;
+}
+
+static int
+u64_arg(PyObject *o, uint64_t *out)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static PyObject *
+Listener_adopt(Listener *self, PyObject *arg)
+{
+    if (listener_usable(self) < 0) {
+        return NULL;
+    }
+    int fd;
+    if (int_arg(arg, &fd) < 0) {
+        return NULL;
+    }
+    if (self->l->stopped || atomic_load(&self->l->stopping)) {
+        PyErr_SetString(PyExc_RuntimeError, "the listener is stopped");
+        return NULL;
+    }
+    if (fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "fd must be >= 0");
+        return NULL;
+    }
+    int64_t h = sf_adopt(self->l, fd);
+    if (h < 0) {
+        errno = (int)-h;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromUnsignedLongLong((unsigned long long)h);
+}
+
+static PyObject *
+Listener_step(Listener *self, PyObject *arg)
+{
+    if (listener_usable(self) < 0) {
+        return NULL;
+    }
+    int timeout;
+    if (int_arg(arg, &timeout) < 0) {
+        return NULL;
+    }
+    if (self->threads != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "step() is for a listener of threads=0");
+        return NULL;
+    }
+    if (self->l->stopped) {
+        PyErr_SetString(PyExc_RuntimeError, "the listener is stopped");
+        return NULL;
+    }
+    sf_listener *l = self->l;
+    int n;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&l->step_mu); /* one "thread 0" at a time: its stats, its buffer */
+    n = sf_loop_once(l, &l->threads[0], timeout);
+    pthread_mutex_unlock(&l->step_mu);
+    Py_END_ALLOW_THREADS
+    if (n < 0) {
+        errno = -n;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromLong(n);
+}
+
+static PyObject *
+Listener_start(Listener *self, PyObject *Py_UNUSED(ignored))
+{
+    if (listener_usable(self) < 0) {
+        return NULL;
+    }
+    if (self->threads == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "a listener of threads=0 runs by step()");
+        return NULL;
+    }
+    if (self->started || self->l->stopped || atomic_load(&self->l->stopping)) {
+        PyErr_SetString(PyExc_RuntimeError, "start() runs once, before stop()");
+        return NULL;
+    }
+    int err;
+    sf_listener *l = self->l;
+    Py_BEGIN_ALLOW_THREADS
+    err = sf_start(l);
+    Py_END_ALLOW_THREADS
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    self->started = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Listener_stop(Listener *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"timeout_s", NULL};
+    double timeout_s = 1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|d", kwlist, &timeout_s)) {
+        return NULL;
+    }
+    if (listener_usable(self) < 0) {
+        return NULL;
+    }
+    if (!(timeout_s >= 0) || timeout_s > 1e9) {
+        PyErr_SetString(PyExc_ValueError, "timeout_s must be in [0, 1e9]");
+        return NULL;
+    }
+    return PyBool_FromLong(listener_stop(self, timeout_s));
+}
+
+static PyObject *
+Listener_take_events(Listener *self, PyObject *Py_UNUSED(ignored))
+{
+    if (listener_usable(self) < 0) {
+        return NULL;
+    }
+    sf_event *e = sf_ev_take(self->l);
+    PyObject *list = PyList_New(0);
+    while (e != NULL) {
+        sf_event *next = e->next;
+        if (list != NULL) {
+            PyObject *item;
+            switch (e->kind) {
+            case SF_EV_DATA:
+                item = Py_BuildValue("(iKy#)", e->kind, (unsigned long long)e->handle,
+                                     (const char *)e->data, (Py_ssize_t)e->len);
+                break;
+            case SF_EV_WRITABLE:
+                item = Py_BuildValue("(iKO)", e->kind, (unsigned long long)e->handle,
+                                     e->value ? Py_True : Py_False);
+                break;
+            default:
+                item = Py_BuildValue("(iKL)", e->kind, (unsigned long long)e->handle,
+                                     (long long)e->value);
+                break;
+            }
+            if (item == NULL || PyList_Append(list, item) < 0) {
+                Py_CLEAR(list);
+            }
+            Py_XDECREF(item);
+        }
+        free(e);
+        e = next;
+    }
+    return list;
+}
+
+static PyObject *
+Listener_write(Listener *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "write(handle, data)");
+        return NULL;
+    }
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[1], &b, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    size_t unsent = 0;
+    int paused = 0;
+    sf_conn *c = listener_conn(self, args[0]);
+    if (c != NULL) {
+        unsent = sf_cmd_write(self->l, c, b.buf, (size_t)b.len, &paused);
+        pthread_mutex_unlock(&c->mu);
+    }
+    PyBuffer_Release(&b);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    return Py_BuildValue("(nO)", (Py_ssize_t)unsent, paused ? Py_True : Py_False);
+}
+
+static PyObject *
+Listener_grant(Listener *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t consumed;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "grant(handle, consumed)");
+        return NULL;
+    }
+    if (u64_arg(args[1], &consumed) < 0) {
+        return NULL;
+    }
+    sf_conn *c = listener_conn(self, args[0]);
+    if (c == NULL) {
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
+    }
+    int granted = sf_cmd_grant(self->l, c, consumed);
+    pthread_mutex_unlock(&c->mu);
+    return PyBool_FromLong(granted);
+}
+
+static PyObject *
+Listener_consume(Listener *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint64_t consumed;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "consume(handle, consumed)");
+        return NULL;
+    }
+    if (u64_arg(args[1], &consumed) < 0) {
+        return NULL;
+    }
+    sf_conn *c = listener_conn(self, args[0]);
+    if (c != NULL) {
+        sf_cmd_consume(self->l, c, consumed);
+        pthread_mutex_unlock(&c->mu);
+    }
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Listener_reading(Listener *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "reading(handle, on)");
+        return NULL;
+    }
+    int on = PyObject_IsTrue(args[1]);
+    if (on < 0) {
+        return NULL;
+    }
+    sf_conn *c = listener_conn(self, args[0]);
+    if (c != NULL) {
+        sf_cmd_reading(self->l, c, on);
+        pthread_mutex_unlock(&c->mu);
+    }
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+enum { CMD_REVOKE, CMD_CLOSE, CMD_ABORT, CMD_FREE };
+
+static PyObject *
+listener_command(Listener *self, PyObject *handle, int which)
+{
+    sf_conn *c = listener_conn(self, handle);
+    if (c == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    uint32_t slot = c->slot;
+    switch (which) {
+    case CMD_REVOKE:
+        sf_cmd_revoke(self->l, c);
+        break;
+    case CMD_CLOSE:
+        sf_cmd_close(self->l, c);
+        break;
+    case CMD_ABORT:
+        sf_cmd_abort(self->l, c);
+        break;
+    default:
+        sf_cmd_free(self->l, c);
+        break;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (which == CMD_FREE) {
+        sf_slot_release(self->l, slot);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Listener_revoke(Listener *self, PyObject *h)
+{
+    return listener_command(self, h, CMD_REVOKE);
+}
+
+static PyObject *
+Listener_close(Listener *self, PyObject *h)
+{
+    return listener_command(self, h, CMD_CLOSE);
+}
+
+static PyObject *
+Listener_abort(Listener *self, PyObject *h)
+{
+    return listener_command(self, h, CMD_ABORT);
+}
+
+static PyObject *
+Listener_free(Listener *self, PyObject *h)
+{
+    return listener_command(self, h, CMD_FREE);
+}
+
+enum { Q_READ_SEEN, Q_SERVED, Q_PARTIAL, Q_OUT_LEN, Q_FORWARDED };
+
+static PyObject *
+listener_query(Listener *self, PyObject *handle, int which)
+{
+    sf_conn *c = listener_conn(self, handle);
+    if (c == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        return which == Q_READ_SEEN ? Py_NewRef(Py_False) : PyLong_FromLong(0);
+    }
+    uint64_t v;
+    switch (which) {
+    case Q_READ_SEEN:
+        v = (uint64_t)c->read_seen;
+        c->read_seen = 0;
+        break;
+    case Q_SERVED:
+        v = c->served;
+        break;
+    case Q_PARTIAL:
+        v = c->leased ? c->in_len : 0;
+        break;
+    case Q_OUT_LEN:
+        v = c->out_len;
+        break;
+    default:
+        v = c->forwarded;
+        break;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (which == Q_READ_SEEN) {
+        return PyBool_FromLong(v != 0);
+    }
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+static PyObject *
+Listener_take_read_seen(Listener *self, PyObject *h)
+{
+    return listener_query(self, h, Q_READ_SEEN);
+}
+
+static PyObject *
+Listener_served(Listener *self, PyObject *h)
+{
+    return listener_query(self, h, Q_SERVED);
+}
+
+static PyObject *
+Listener_partial(Listener *self, PyObject *h)
+{
+    return listener_query(self, h, Q_PARTIAL);
+}
+
+static PyObject *
+Listener_out_len(Listener *self, PyObject *h)
+{
+    return listener_query(self, h, Q_OUT_LEN);
+}
+
+static PyObject *
+Listener_forwarded(Listener *self, PyObject *h)
+{
+    return listener_query(self, h, Q_FORWARDED);
+}
+
+static PyObject *
+Listener_set_state(Listener *self, PyObject *state)
+{
+    if (listener_usable(self) < 0) {
+        return NULL;
+    }
+    if (state != Py_None) {
+        if (!sf_is_generator_state(state)) {
+            PyErr_SetString(PyExc_TypeError, "state must be a GeneratorState or None");
+            return NULL;
+        }
+        /* Kept for the listener's life: a native thread may hold the pointer it loaded. */
+        if (PyList_Append(self->states, state) < 0) {
+            return NULL;
+        }
+    }
+    atomic_store_explicit(&self->l->state, state == Py_None ? NULL : (void *)state,
+                          memory_order_release);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Listener_take_audit(Listener *self, PyObject *Py_UNUSED(ignored))
+{
+    if (listener_usable(self) < 0) {
+        return NULL;
+    }
+    PyObject *list = PyList_New(0);
+    for (int i = 0; i < self->l->nthreads && list != NULL; i++) {
+        sf_thread *th = &self->l->threads[i];
+        pthread_mutex_lock(&th->audit_mu);
+        sf_audit_entry *entries = th->audit;
+        size_t n = th->audit_len;
+        th->audit = NULL;
+        th->audit_len = th->audit_cap = 0;
+        pthread_mutex_unlock(&th->audit_mu);
+        for (size_t k = 0; k < n && list != NULL; k++) {
+            PyObject *item = Py_BuildValue("(LLI)", (long long)entries[k].id,
+                                           (long long)entries[k].time_ms, entries[k].agent);
+            if (item == NULL || PyList_Append(list, item) < 0) {
+                Py_CLEAR(list);
+            }
+            Py_XDECREF(item);
+        }
+        free(entries);
+    }
+    return list;
+}
+
+static PyObject *
+Listener_ticks(Listener *self, PyObject *Py_UNUSED(ignored))
+{
+    if (listener_usable(self) < 0) {
+        return NULL;
+    }
+    PyObject *list = PyList_New(self->l->nthreads);
+    int64_t now = sf_now_ns();
+    for (int i = 0; list != NULL && i < self->l->nthreads; i++) {
+        sf_thread *th = &self->l->threads[i];
+        int64_t turn = atomic_load_explicit(&th->turn_ns, memory_order_relaxed);
+        int64_t late = atomic_exchange_explicit(&th->late_max_ns, 0, memory_order_relaxed);
+        PyObject *item = Py_BuildValue("(dd)", (double)(now > turn ? now - turn : 0) * 1e-9,
+                                       (double)late * 1e-9);
+        if (item == NULL) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, item);
+    }
+    return list;
+}
+
+/* _break_epoll(thread): a test seam: the thread's epoll fd is replaced by /dev/null's (its
+ * waiting epoll_wait is woken), so its next epoll_wait fails with EINVAL, as a thread whose
+ * epoll broke: EV_LOST for each of its connections, then EV_THREAD_DIED. */
+static PyObject *
+Listener_break_epoll(Listener *self, PyObject *arg)
+{
+    int t;
+    if (listener_usable(self) < 0 || int_arg(arg, &t) < 0) {
+        return NULL;
+    }
+    if (t < 0 || t >= self->l->nthreads) {
+        PyErr_SetString(PyExc_IndexError, "no such native thread");
+        return NULL;
+    }
+    sf_thread *th = &self->l->threads[t];
+    int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (null < 0 || dup3(null, th->epfd, O_CLOEXEC) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        if (null >= 0) {
+            close(null);
+        }
+        return NULL;
+    }
+    close(null);
+    uint64_t one = 1;
+    if (write(th->wakefd, &one, sizeof one) < 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Listener_events_fd(Listener *self, void *Py_UNUSED(closure))
+{
+    if (listener_usable(self) < 0) {
+        return NULL;
+    }
+    return PyLong_FromLong(self->l->evfd);
+}
+
+static PyObject *
+Listener_get_threads(Listener *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(self->threads);
+}
+
+static PyGetSetDef Listener_getset[] = {
+    {"events_fd", (getter)Listener_events_fd, NULL,
+     "An eventfd, readable while events are queued (take_events reads it).", NULL},
+    {"threads", (getter)Listener_get_threads, NULL, "Native threads (0: step mode).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+#define FASTCALL(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL
+
+static PyMethodDef Listener_methods[] = {
+    {"adopt", (PyCFunction)Listener_adopt, METH_O,
+     "adopt(fd): own a connected socket (detached by Python): its handle. OSError (the fd "
+     "closed) when no slot is free."},
+    {"step", (PyCFunction)Listener_step, METH_O,
+     "step(timeout_ms): one iteration of thread 0's loop, GIL released (threads=0 only)."},
+    {"start", (PyCFunction)Listener_start, METH_NOARGS,
+     "start(): every thread, held at a barrier until all started; OSError if one cannot."},
+    {"stop", (PyCFunction)(void (*)(void))Listener_stop, METH_VARARGS | METH_KEYWORDS,
+     "stop(timeout_s=1.0): stop and join every thread, then close every connection left."},
+    {"take_events", (PyCFunction)Listener_take_events, METH_NOARGS,
+     "take_events(): every queued event, oldest first."},
+    {"write", FASTCALL(Listener_write),
+     "write(handle, data): (unsent bytes in out, became_paused)."},
+    {"grant", FASTCALL(Listener_grant),
+     "grant(handle, consumed): the lease, iff consumed == forwarded, not closing, in empty."},
+    {"consume", FASTCALL(Listener_consume), "consume(handle, consumed): Python took these."},
+    {"reading", FASTCALL(Listener_reading), "reading(handle, on): want reads or not."},
+    {"revoke", (PyCFunction)Listener_revoke, METH_O,
+     "revoke(handle): the lease back; a kept partial frame posted as EV_DATA."},
+    {"close", (PyCFunction)Listener_close, METH_O,
+     "close(handle): read nothing more, flush out, close, EV_LOST(0)."},
+    {"abort", (PyCFunction)Listener_abort, METH_O,
+     "abort(handle): close at once (SO_LINGER 0), EV_LOST(0)."},
+    {"free", (PyCFunction)Listener_free, METH_O,
+     "free(handle): Python is done with it; the slot may be reused."},
+    {"take_read_seen", (PyCFunction)Listener_take_read_seen, METH_O,
+     "take_read_seen(handle): whether native read bytes since the last call."},
+    {"served", (PyCFunction)Listener_served, METH_O, "served(handle): frames answered natively."},
+    {"partial", (PyCFunction)Listener_partial, METH_O,
+     "partial(handle): bytes of an unfinished frame kept natively."},
+    {"out_len", (PyCFunction)Listener_out_len, METH_O, "out_len(handle): bytes not yet sent."},
+    {"forwarded", (PyCFunction)Listener_forwarded, METH_O,
+     "forwarded(handle): bytes posted to Python in total."},
+    {"set_state", (PyCFunction)Listener_set_state, METH_O,
+     "set_state(state): the GeneratorState native issues from (None: every match handed over)."},
+    {"take_audit", (PyCFunction)Listener_take_audit, METH_NOARGS,
+     "take_audit(): (id, time_ms, agent_index) of every native id since the last call."},
+    {"_break_epoll", (PyCFunction)Listener_break_epoll, METH_O,
+     "_break_epoll(thread): that thread's next epoll_wait fails (a test seam)."},
+    {"ticks", (PyCFunction)Listener_ticks, METH_NOARGS,
+     "ticks(): per thread (seconds since its loop turned, its tick's most lateness since the "
+     "last call)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ListenerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "snowflake_server._native._core.Listener",
+    .tp_basicsize = sizeof(Listener),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The native connection machine: adopted sockets served by native threads under "
+              "Python's lease (notes/issue-27/native-api.md).",
+    .tp_new = Listener_new,
+    .tp_dealloc = (destructor)Listener_dealloc,
+    .tp_methods = Listener_methods,
+    .tp_getset = Listener_getset,
+};
+
+/* _fail_thread_start(n): a test seam: the next start() fails to create its thread n
+ * (0-based) as pthread_create does at pids.max (EAGAIN), once; -1 clears it. */
+static PyObject *
+py_fail_thread_start(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    int n;
+    if (int_arg(arg, &n) < 0) {
+        return NULL;
+    }
+    sf_fail_thread_start = n;
+    Py_RETURN_NONE;
+}
+
 /* ---- module -------------------------------------------------------------------------- */
 
 static PyMethodDef listener_functions[] = {
@@ -812,6 +1602,9 @@ static PyMethodDef listener_functions[] = {
      "the buffer's first frame; result SCAN_NEED_MORE, SCAN_MATCH or SCAN_HANDOVER."},
     {"get_id_reply", (PyCFunction)(void (*)(void))py_get_id_reply, METH_FASTCALL,
      "get_id_reply(seqid, id): the 34 bytes fastpath.get_id_reply packs."},
+    {"_fail_thread_start", (PyCFunction)py_fail_thread_start, METH_O,
+     "_fail_thread_start(n): the next Listener.start() fails to create thread n (a test "
+     "seam; -1 clears it)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -819,10 +1612,17 @@ int
 sf_listener_init(PyObject *module)
 {
     if (PyType_Ready(&AgentRegistryType) < 0 || PyType_Ready(&NativeStatsType) < 0 ||
-        PyType_Ready(&AuditBudgetType) < 0 || PyModule_AddFunctions(module, listener_functions) < 0 ||
+        PyType_Ready(&AuditBudgetType) < 0 || PyType_Ready(&ListenerType) < 0 ||
+        PyModule_AddFunctions(module, listener_functions) < 0 ||
         PyModule_AddObjectRef(module, "AgentRegistry", (PyObject *)&AgentRegistryType) < 0 ||
         PyModule_AddObjectRef(module, "NativeStats", (PyObject *)&NativeStatsType) < 0 ||
         PyModule_AddObjectRef(module, "AuditBudget", (PyObject *)&AuditBudgetType) < 0 ||
+        PyModule_AddObjectRef(module, "Listener", (PyObject *)&ListenerType) < 0 ||
+        PyModule_AddIntConstant(module, "EV_DATA", SF_EV_DATA) < 0 ||
+        PyModule_AddIntConstant(module, "EV_WRITABLE", SF_EV_WRITABLE) < 0 ||
+        PyModule_AddIntConstant(module, "EV_LOST", SF_EV_LOST) < 0 ||
+        PyModule_AddIntConstant(module, "EV_THREAD_DIED", SF_EV_THREAD_DIED) < 0 ||
+        PyModule_AddIntConstant(module, "NATIVE_READ", SF_NATIVE_READ) < 0 ||
         PyModule_AddIntConstant(module, "NATIVE_MAX_FRAME", SF_NATIVE_MAX_FRAME) < 0 ||
         PyModule_AddIntConstant(module, "NATIVE_AGENTS_MAX", SF_AGENTS_MAX) < 0 ||
         PyModule_AddIntConstant(module, "SCAN_NEED_MORE", SF_NEED_MORE) < 0 ||

@@ -15,6 +15,11 @@
  *     it is at most SF_NATIVE_MAX_FRAME long, else its HANDOVER;
  *   - what a leased connection keeps between reads is less than SF_NATIVE_MAX_FRAME;
  *   - a matched agent's registry lookup finds exactly the registered agents.
+ * Then the same bytes walk the connection machine itself (_conn.h's sf_serve_frames on a
+ * leased connection with no socket, a fake generator whose every Nth call is SLOW or
+ * CONTENDED): every reply echoes its frame's seqid in order, what a leased connection keeps
+ * is exactly the unanswered bytes (less than one native frame), and once the lease is given
+ * back the EV_DATA events hold exactly every byte not answered, in order.
  *
  * Debian 12's gcc has no libFuzzer, so without -DSF_LIBFUZZER this file has its own
  * main(): it mutates generated seeds (valid get_id frames with random agents and seqids,
@@ -24,7 +29,12 @@
  * abort()s after writing the input to fuzz-crash.bin. `make fuzz-native` builds and runs
  * it under -fsanitize=address,undefined; with clang, the libFuzzer variant instead.
  */
+#define _GNU_SOURCE /* _conn.h's pthread_timedjoin_np */
 #include "../../snowflake_server/_native/_listener.h"
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function" /* the machine's parts the walk skips */
+#include "../../snowflake_server/_native/_conn.h"
+#pragma GCC diagnostic pop
 
 #include <dirent.h>
 #include <stdio.h>
@@ -135,6 +145,96 @@ check_match(const uint8_t *frame, size_t avail, int64_t limit, const sf_frame *m
     free(copy);
 }
 
+/* The fake generator of the machine walk: ids counting up; every fake_every-th call (0:
+ * none) is SLOW (gate or not) or CONTENDED. */
+static int64_t fake_next_id = 1;
+static unsigned fake_every, fake_calls;
+
+static int64_t
+fake_fast(void *state, int64_t spin_ns, int *gate, int64_t *time_ms)
+{
+    (void)state;
+    (void)spin_ns;
+    fake_calls++;
+    if (fake_every && fake_calls % fake_every == 0) {
+        *gate = (int)(fake_calls & 1);
+        return fake_calls & 2 ? SF_FAST_CONTENDED : SF_FAST_SLOW;
+    }
+    *time_ms = fake_next_id;
+    return fake_next_id++;
+}
+
+static sf_listener *machine;
+
+/* The bytes through sf_serve_frames, chunk by chunk as reads would bring them, on a leased
+ * connection with no socket (nothing of it needs one). */
+static void
+walk_machine(const uint8_t *data, size_t size, int64_t limit, unsigned split)
+{
+    if (machine == NULL) {
+        sf_thread_stats *stats = aligned_alloc(64, sizeof *stats);
+        CHECK(stats != NULL);
+        memset(stats, 0, sizeof *stats);
+        machine = sf_listener_new(0, 1, stats);
+        CHECK(machine != NULL);
+        machine->fast = fake_fast;
+        machine->registry = &registry;
+        atomic_store(&machine->state, (void *)&registry); /* any non-NULL state */
+    }
+    machine->limit = limit;
+    fake_every = split >> 5;
+    fake_calls = 0;
+    sf_conn c;
+    memset(&c, 0, sizeof c);
+    c.in = malloc(SF_IN_CAP);
+    CHECK(c.in != NULL);
+    c.fd = -1;
+    c.gen = 1;
+    c.in_use = c.leased = c.writable = 1;
+    size_t offered = 0, answered = 0;
+    while (offered < size && c.leased) {
+        size_t chunk = split == 0 ? SF_NATIVE_READ : 1 + (split * (offered + 7)) % 61;
+        if (chunk > size - offered) {
+            chunk = size - offered;
+        }
+        memcpy(c.in + c.in_len, data + offered, chunk);
+        c.in_len += chunk;
+        offered += chunk;
+        size_t before = c.out_len;
+        sf_serve_frames(machine, &machine->threads[0], &c, 0);
+        CHECK(c.out_len >= before && (c.out_len - before) % SF_REPLY_LEN == 0);
+        for (size_t at = before; at < c.out_len; at += SF_REPLY_LEN) {
+            const uint8_t *reply = c.out + c.out_off + at;
+            CHECK(answered + 4 <= offered);
+            size_t n = (size_t)sf_be32(data + answered) + 4;
+            CHECK(n <= SF_NATIVE_MAX_FRAME && answered + n <= offered);
+            CHECK(memcmp(reply, SF_REPLY_HEAD, sizeof SF_REPLY_HEAD) == 0);
+            CHECK(memcmp(reply + 18, data + answered + SF_HEAD_END, 4) == 0);
+            answered += n;
+        }
+        if (c.leased) {
+            CHECK(c.in_len < SF_NATIVE_MAX_FRAME && c.in_len == offered - answered);
+            CHECK(memcmp(c.in, data + answered, c.in_len) == 0);
+        }
+    }
+    size_t given = 0;
+    for (sf_event *e = sf_ev_take(machine); e != NULL;) {
+        sf_event *next = e->next;
+        CHECK(e->kind == SF_EV_DATA && !c.leased && e->handle == sf_handle(&c));
+        CHECK(answered + given + e->len <= offered);
+        CHECK(memcmp(e->data, data + answered + given, e->len) == 0);
+        given += e->len;
+        free(e);
+        e = next;
+    }
+    if (!c.leased) {
+        CHECK(answered + given == offered && c.forwarded == given && c.in_len == 0);
+    }
+    CHECK(c.served * SF_REPLY_LEN == c.out_len);
+    free(c.in);
+    free(c.out);
+}
+
 int
 LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -159,6 +259,7 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     data += 2;
     size -= 2;
     check_prefixes(data, size, limit);
+    walk_machine(data, size, limit, split);
 
     uint8_t in[NATIVE_READ + SF_NATIVE_MAX_FRAME];
     size_t in_len = 0, offered = 0;
@@ -224,7 +325,10 @@ below(size_t n)
 static size_t
 make_frame(uint8_t *out, size_t room)
 {
-    size_t agent_len = below(8) == 0 ? below(200) : below(12);
+    /* Half the frames carry a registered agent exactly: runs of them are served natively. */
+    const char *known = REGISTERED[below(sizeof REGISTERED / sizeof *REGISTERED)];
+    int exact = below(2);
+    size_t agent_len = exact ? strlen(known) : below(8) == 0 ? below(200) : below(12);
     size_t n = SF_OVERHEAD + agent_len;
     if (n > room) {
         return 0;
@@ -239,19 +343,18 @@ make_frame(uint8_t *out, size_t room)
         out[SF_HEAD_END + i] = (uint8_t)next_random();
     }
     memcpy(out + SF_FIELD_AT, SF_AGENT_FIELD, sizeof SF_AGENT_FIELD);
-    const char *known = REGISTERED[below(sizeof REGISTERED / sizeof *REGISTERED)];
     for (size_t i = 0; i < agent_len; i++) {
         out[SF_AGENT_AT + i] = i < strlen(known) && below(2) ? (uint8_t)known[i]
                                                               : (uint8_t)('a' + below(26));
     }
-    if (below(2) && strlen(known) <= agent_len) {
+    if ((exact || below(2)) && strlen(known) <= agent_len) {
         memcpy(out + SF_AGENT_AT, known, strlen(known));
     }
     out[n - 1] = 0;
     return n;
 }
 
-#define MAX_INPUT 8192
+#define FUZZ_MAX_INPUT 8192
 #define MAX_SEEDS 256
 
 static uint8_t *seeds[MAX_SEEDS];
@@ -261,7 +364,7 @@ static size_t nseeds;
 static void
 add_seed(const uint8_t *p, size_t n)
 {
-    if (nseeds < MAX_SEEDS && n <= MAX_INPUT) {
+    if (nseeds < MAX_SEEDS && n <= FUZZ_MAX_INPUT) {
         seeds[nseeds] = malloc(n ? n : 1);
         memcpy(seeds[nseeds], p, n);
         seed_len[nseeds++] = n;
@@ -276,7 +379,7 @@ load_corpus(const char *dir)
         return;
     }
     struct dirent *e;
-    uint8_t buf[MAX_INPUT];
+    uint8_t buf[FUZZ_MAX_INPUT];
     char path[4096];
     while ((e = readdir(d)) != NULL) {
         if (e->d_name[0] == '.') {
@@ -326,7 +429,7 @@ mutate(uint8_t *buf, size_t n)
         case 5: /* insert bytes */
         case 6: {
             size_t k = 1 + below(8), at = below(n + 1);
-            if (n + k <= MAX_INPUT) {
+            if (n + k <= FUZZ_MAX_INPUT) {
                 memmove(buf + at + k, buf + at, n - at);
                 for (size_t i = 0; i < k; i++) {
                     buf[at + i] = (uint8_t)next_random();
@@ -346,7 +449,7 @@ mutate(uint8_t *buf, size_t n)
         }
         default: { /* splice in (part of) another seed, or a fresh frame */
             size_t at = below(n + 1);
-            uint8_t extra[MAX_INPUT];
+            uint8_t extra[FUZZ_MAX_INPUT];
             size_t k;
             if (below(2)) {
                 size_t s = below(nseeds);
@@ -355,7 +458,7 @@ mutate(uint8_t *buf, size_t n)
             } else {
                 k = make_frame(extra, sizeof extra);
             }
-            if (n + k <= MAX_INPUT) {
+            if (n + k <= FUZZ_MAX_INPUT) {
                 memmove(buf + at + k, buf + at, n - at);
                 memcpy(buf + at, extra, k);
                 n += k;
@@ -386,7 +489,7 @@ main(int argc, char **argv)
     }
     uint64_t seed = rng;
     /* Seeds: single frames, pipelined runs, another method, an empty input. */
-    uint8_t buf[MAX_INPUT];
+    uint8_t buf[FUZZ_MAX_INPUT];
     for (int i = 0; i < 64; i++) {
         size_t n = 0;
         buf[n++] = (uint8_t)below(256);
