@@ -90,10 +90,17 @@ class Native:
         )
         generator_, metrics = self.generator, self.metrics
 
-        def make(stats: ConnectionStats) -> Protocol:
+        def make(stats: ConnectionStats, peer_check_only: bool = False) -> Protocol:
             handler = SnowflakeHandler(generator_, metrics, stats, wall_clock_ms)
-            return ThriftProtocol(Processor(handler, stats), framed=True, limit=limit)
+            return ThriftProtocol(
+                Processor(handler, stats),
+                framed=True,
+                limit=limit,
+                peer_check_only=peer_check_only,
+            )
 
+        self.make_protocol = make
+        self.reserve = False  # admit the next connections into the reserve (peer checks only)
         self.listener = Listener("thrift", make, 10, idle, request_timeout, None, self.shared)
         self.listener.admit = self._admit
         self.labels: dict[str, int] = {}
@@ -110,6 +117,8 @@ class Native:
     def _admit(self, conn: Any) -> bool:
         self.listener.open.add(conn)
         self.shared.connections.add(conn)
+        if self.reserve:
+            conn.reserved(self.make_protocol, 1000.0)
         return True
 
     def connect(self, *, established: bool = True) -> tuple[NativeConnection, socket.socket]:
@@ -304,6 +313,19 @@ def test_bytes_on_their_way_to_python_keep_the_lease_from_being_granted(native: 
     assert [r[2] for r in got] == [1, 2, 3]
     ids = [r[3].success for r in got]
     assert ids == sorted(ids)
+
+
+def test_a_connection_in_the_reserve_is_never_leased(native: Native) -> None:
+    native.native.on_agent(b"alpha", "alpha")
+    native.reserve = True
+    conn, client = native.connect()
+    for seqid in range(1, 4):  # each after the last was answered: the fast path would apply
+        client.sendall(get_id("alpha", seqid))
+        native.pump()
+        ((_, mtype, got, result),) = replies(client, 1)
+        assert (mtype, got) == (TMessageType.REPLY, seqid)
+        assert result.unavailable is not None  # peer checks only: no ids here
+    assert native.served(conn) == 0
 
 
 # --- refusals, drain, hang-ups ---------------------------------------------------------------
