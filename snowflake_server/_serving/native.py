@@ -251,8 +251,8 @@ class NativeTransport(asyncio.Transport):
     def writable(self, writable: bool) -> None:
         """Native's own replies crossed the high mark (False) or drained below the low one."""
         protocol = self._protocol
-        if protocol is None or self._lost or writable != self._write_paused:
-            return  # no change the protocol has not been told of
+        if protocol is None or self._lost or self._write_paused != writable:
+            return  # the protocol was told already (or never paused): asyncio tells once
         self._write_paused = not writable
         if writable:
             protocol.resume_writing()

@@ -256,29 +256,44 @@ def test_a_registered_agents_get_ids_are_served_natively_after_its_first(native:
     assert native.served(conn) == 3 and nothing_more(client)
 
 
-def test_replies_stay_in_order_with_python_served_calls_between(native: Native) -> None:
+MIXED = [  # (call, whether native answers it once the lease is back after the call before)
+    (get_id("alpha", 1), True),
+    (call_bytes("get_layout", 2, framed=True), False),  # another method: Python's
+    (get_id("alpha", 3), True),
+    (get_id("beta", 4), False),  # an agent not yet registered: Python's (then registered)
+    (get_id("alpha", 5), True),
+    (get_id("beta", 6), True),
+    (call_bytes("get_worker_id", 7, framed=True), False),
+    (get_id("alpha", 8), True),
+]
+
+
+@pytest.mark.parametrize("split", [None, 11, 29])
+def test_replies_stay_in_order_with_python_served_calls_between(
+    native: Native, split: int | None
+) -> None:
+    """``split``: the stream sent in pieces of so many bytes (frames cut anywhere), else
+    one call at a time, each answered before the next is sent."""
     conn, client = leased(native)
-    calls = [
-        get_id("alpha", 1),
-        call_bytes("get_layout", 2, framed=True),  # another method: Python's
-        get_id("alpha", 3),
-        get_id("beta", 4),  # an agent not yet registered: Python's (then registered)
-        get_id("alpha", 5),
-        get_id("beta", 6),
-        call_bytes("get_worker_id", 7, framed=True),
-        get_id("alpha", 8),
-    ]
-    stream = b"".join(calls)
-    for cut in range(0, len(stream), 11):  # split anywhere: frames cut mid-way
-        client.sendall(stream[cut : cut + 11])
+    stream = b"".join(call for call, _ in MIXED)
+    pieces = (
+        [call for call, _ in MIXED]
+        if split is None
+        else [stream[at : at + split] for at in range(0, len(stream), split)]
+    )
+    for piece in pieces:
+        client.sendall(piece)
         native.pump()
-    got = replies(client, len(calls))
+    got = replies(client, len(MIXED))
     assert [r[2] for r in got] == list(range(1, 9))
     assert all(r[1] == TMessageType.REPLY for r in got)
     ids = [r[3].success for r in got if r[0] == "get_id"]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
-    # Native answered some (alpha after the hand-backs, beta once registered), not all.
-    assert 0 < native.served(conn) < len(ids)
+    if split is None:
+        # The lease comes back after each call Python answered, the fast path's included.
+        assert native.served(conn) == sum(native_ for _, native_ in MIXED)
+    else:
+        assert 0 < native.served(conn) < len(ids)
     assert nothing_more(client)
 
 
@@ -495,6 +510,27 @@ def test_a_client_that_does_not_read_stops_native_and_is_served_once_it_reads(
     assert seqids == list(range(1, 20001)) and ids == sorted(ids)
     assert native.served(conn) > served  # granted again once its replies drained
     assert native.metrics.totals().exceptions == {} and conn._writable
+
+
+def test_the_transport_holds_bytes_while_reading_is_paused_and_delivers_them_later(
+    native: Native,
+) -> None:
+    conn, _ = leased(native)
+    transport = conn.native_transport
+    assert transport is not None
+    seen: list[bytes] = []
+    conn.data_received = seen.append  # type: ignore[method-assign]
+    transport.pause_reading()
+    transport.data(b"one")
+    transport.data(b"two")
+    assert seen == [] and not transport.is_reading()
+    transport.resume_reading()
+    assert seen == []  # not inside the protocol's own call
+    transport.data(b"three")  # after the held bytes, never before
+    one_turn(native.loop)
+    assert seen == [b"onetwothree"]
+    transport.data(b"four")
+    assert seen[-1] == b"four"
 
 
 # --- the agent hook and the shim's own failures ---------------------------------------------
