@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import math
+import os
 import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -64,7 +66,14 @@ class Native:
     connections, each from a real socketpair, on asyncio's own loop."""
 
     def __init__(
-        self, kind: str, *, idle: float = 0.0, request_timeout: float = 0.0, limit: int = LIMIT
+        self,
+        kind: str,
+        *,
+        idle: float = 0.0,
+        request_timeout: float = 0.0,
+        limit: int = LIMIT,
+        sock: socket.socket | None = None,
+        max_connections: int = 10,
     ) -> None:
         self.kind = kind
         self.loop = asyncio.new_event_loop()
@@ -111,10 +120,16 @@ class Native:
             constants=constants,
             registry=self.registry,
             label_index=lambda label: self.labels.setdefault(label, len(self.labels)),
+            sock=sock,
         )
+        self.max_connections = max_connections
+        self.refused = 0
         self._clients: list[socket.socket] = []
 
     def _admit(self, conn: Any) -> bool:
+        if len(self.listener.open) >= self.max_connections:
+            self.refused += 1
+            return False
         self.listener.open.add(conn)
         self.shared.connections.add(conn)
         if self.reserve:
@@ -519,7 +534,7 @@ def test_the_transport_holds_bytes_while_reading_is_paused_and_delivers_them_lat
     transport = conn.native_transport
     assert transport is not None
     seen: list[bytes] = []
-    conn.data_received = seen.append  # type: ignore[method-assign]
+    conn.data_received = seen.append  # type: ignore[method-assign,assignment]
     transport.pause_reading()
     transport.data(b"one")
     transport.data(b"two")
@@ -531,6 +546,86 @@ def test_the_transport_holds_bytes_while_reading_is_paused_and_delivers_them_lat
     assert seen == [b"onetwothree"]
     transport.data(b"four")
     assert seen[-1] == b"four"
+
+
+# --- accepting ------------------------------------------------------------------------------
+
+
+class _OutOfFiles(socket.socket):
+    """A listening socket whose next ``failures`` accepts fail as at the open-files limit."""
+
+    failures = 0
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if self.failures:
+            self.failures -= 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return super().accept()
+
+
+@pytest.fixture
+def listening(kind: str) -> Iterator[tuple[Native, _OutOfFiles]]:
+    sock = _OutOfFiles(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    made = Native(kind, sock=sock, max_connections=1)
+    yield made, sock
+    made.native.close()
+    sock.close()
+    made.close()
+
+
+def _dial(sock: socket.socket) -> socket.socket:
+    client = socket.create_connection(sock.getsockname()[:2], timeout=5)
+    return client
+
+
+def test_accepted_connections_are_admitted_by_the_listener_and_the_refused_never_served(
+    listening: tuple[Native, _OutOfFiles],
+) -> None:
+    made, sock = listening
+    first, second = _dial(sock), _dial(sock)
+    made.pump()  # the loop accepts both: one slot, the second is refused and closed
+    assert made.refused == 1 and len(made.listener.open) == 1
+    assert closed(second)
+    first.sendall(get_id("alpha", 1))
+    made.pump()
+    ((_, mtype, seqid, result),) = replies(first, 1)
+    assert (mtype, seqid) == (TMessageType.REPLY, 1) and result.success
+    (conn,) = made.listener.open
+    transport = conn.native_transport  # type: ignore[attr-defined]
+    assert transport.get_extra_info("peername") == first.getsockname()
+    assert transport.get_extra_info("sockname") == sock.getsockname()
+    assert transport.get_extra_info("socket") is None
+    first.close()
+    second.close()
+    made.pump()
+    assert made.native.connections == 0 and not made.listener.open
+
+
+def test_out_of_files_accepting_pauses_doubling_and_logs_once(
+    listening: tuple[Native, _OutOfFiles], caplog: pytest.LogCaptureFixture
+) -> None:
+    made, sock = listening
+    listener = made.native
+    sock.failures = 3
+    client = _dial(sock)
+    one_turn(made.loop)  # the listening socket is readable: its accept fails
+    pauses = []
+    for _ in range(3):
+        timer = listener._accept_timer  # when accepting resumes
+        assert timer is not None and made.listener.open == set()
+        pauses.append(round(timer.when() - made.loop.time(), 1))
+        timer.cancel()
+        listener._resume_accepting()  # as its timer would, without waiting for it
+        one_turn(made.loop)
+    assert pauses == [0.1, 0.2, 0.4]
+    assert caplog.text.count("cannot accept connections") == 1  # once per 10 s
+    made.pump()
+    client.sendall(get_id("alpha", 1))
+    made.pump()
+    assert [r[2] for r in replies(client, 1)] == [1]
+    client.close()
 
 
 # --- the agent hook and the shim's own failures ---------------------------------------------
