@@ -167,6 +167,7 @@ class ModelListener:
         self._ids: Callable[[], int | None] | None = None
         self.calls = 0
         self.handoffs: Counter[str] = Counter()
+        self.strict = True  # Python never writes while native holds the lease
         self.stopped = False
 
     # -- set-up and events ----------------------------------------------------------
@@ -217,6 +218,11 @@ class ModelListener:
         c = self._conn(handle)
         if c is None or c.lost or c.closing:
             return 0, False
+        if c.leased and self.strict:
+            # Legal for the C listener (``out`` keeps the order of the appends), but with
+            # native threads a reply Python writes while native holds the lease could pass
+            # one native is about to append for an earlier frame: the shim never does it.
+            raise AssertionError("Python wrote while native held the lease")
         was_empty, below = not c.out, len(c.out) <= self.high
         c.out += data
         if was_empty:
