@@ -60,7 +60,8 @@ class NativeMachine(Protocol):
 
     def take_events(self) -> list[tuple[Any, ...]]: ...
 
-    def adopt(self, fd: int, /) -> int: ...
+    def adopt(self, fd: int, /) -> int:
+        """A handle for the connected socket ``fd``, now native's (closed if this raises)."""
 
     def write(self, handle: int, data: bytes, /) -> tuple[int, bool]: ...
 
@@ -471,11 +472,9 @@ class NativeListener:
         except OSError:
             client.close()  # gone already
             return None
-        fd = client.detach()
         try:
-            handle = self._native.adopt(fd)
+            handle = self._native.adopt(client.detach())  # it owns the fd, even if it fails
         except OSError as e:
-            os.close(fd)
             self._log_now_and_then("adopt", "cannot serve a connection from %s: %s", peer, e)
             return None
         transport = NativeTransport(

@@ -74,6 +74,7 @@ class Native:
         limit: int = LIMIT,
         sock: socket.socket | None = None,
         max_connections: int = 10,
+        max_conns: int = 64,
     ) -> None:
         self.kind = kind
         self.loop = asyncio.new_event_loop()
@@ -81,7 +82,7 @@ class Native:
         if kind == "model":
             self.registry: Any = ModelRegistry()
             self.generator: IdGenerator = IdGenerator(GeneratorSettings())
-            self.machine = ModelListener(0, self.registry, None, limit)
+            self.machine = ModelListener(0, self.registry, None, limit, max_conns=max_conns)
             self.machine.set_state(_model_ids(self.generator))
             constants: Any = native_model
         else:
@@ -89,7 +90,9 @@ class Native:
             generator = NativeStateIdGenerator(GeneratorSettings())
             generator.native_state.set_gate(math.inf)
             self.generator = generator
-            self.machine = core.Listener(0, self.registry, core.NativeStats(1), limit)
+            self.machine = core.Listener(
+                0, self.registry, core.NativeStats(1), limit, max_conns=max_conns
+            )
             self.machine.set_state(generator.native_state)
             constants = core
         self.metrics = ServiceMetrics(self.generator, service_methods(), max_agents=8)
@@ -626,6 +629,25 @@ def test_out_of_files_accepting_pauses_doubling_and_logs_once(
     made.pump()
     assert [r[2] for r in replies(client, 1)] == [1]
     client.close()
+
+
+def test_a_connection_native_has_no_room_for_is_closed_and_the_others_served(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    made = Native(kind, max_conns=1)
+    try:
+        conn, client = made.connect()
+        extra, server_side = socket.socketpair()
+        assert made.native.connect(server_side, PEER) is None
+        assert server_side.fileno() == -1  # handed over, then closed by native
+        assert extra.recv(1) == b"" and "cannot serve a connection" in caplog.text
+        extra.close()
+        client.sendall(get_id("alpha", 1))
+        made.pump()
+        assert [r[2] for r in replies(client, 1)] == [1]
+        assert made.listener.open == {conn}
+    finally:
+        made.close()
 
 
 # --- the agent hook and the shim's own failures ---------------------------------------------

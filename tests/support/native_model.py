@@ -192,13 +192,14 @@ class ModelListener:
         self._events.append(event)
 
     def adopt(self, fd: int) -> int:
-        sock = socket.socket(fileno=fd)
+        sock = socket.socket(fileno=fd)  # owned from here on: closed if no slot is free
         sock.setblocking(False)
         free = [slot for slot, conn in enumerate(self._slots) if conn is None]
         if free:
             slot = free[0]
         else:
             if len(self._slots) >= self._max_conns:
+                sock.close()
                 raise OSError(errnos.EMFILE, "no free connection slot")
             slot = len(self._slots)
             self._slots.append(None)
