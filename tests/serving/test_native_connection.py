@@ -18,7 +18,9 @@ import contextlib
 import errno
 import math
 import os
+import random
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,13 +31,13 @@ from thriftpy2.thrift import TApplicationException, TMessageType
 
 from snowflake_server import GeneratorSettings, IdGenerator
 from snowflake_server._ids.clocks import wall_clock_ms
-from snowflake_server._ids.generator import NativeStateIdGenerator, WouldBlock
+from snowflake_server._ids.generator import NativeStateIdGenerator, WouldBlock, forbid_waiting
 from snowflake_server._native import native_core
 from snowflake_server._observability.metrics import NO_METHOD, ConnectionStats, ServiceMetrics
 from snowflake_server._service import SnowflakeHandler
 from snowflake_server._serving.connection import Listener, Protocol, Shared
 from snowflake_server._serving.fairness import TurnQueue
-from snowflake_server._serving.native import NativeConnection, NativeListener
+from snowflake_server._serving.native import NativeConnection, NativeListener, serve_natively
 from snowflake_server._thrift.processor import Processor, service_methods
 from snowflake_server._thrift.protocol import ThriftProtocol
 from tests.server.test_fastpath import get_id_frame
@@ -686,3 +688,121 @@ def test_a_failure_in_an_event_ends_its_connection_only(
     assert conn not in native.shared.connections and other in native.shared.connections
     exceptions = native.metrics.totals().exceptions
     assert exceptions == {("internal_error", NO_METHOD): 1}
+
+
+@contextlib.contextmanager
+def forbidding_waits() -> Iterator[None]:
+    """As the server's loop thread: a generator call that would wait raises WouldBlock."""
+    forbid_waiting()
+    try:
+        yield
+    finally:
+        forbid_waiting(False)
+
+
+# --- with native threads ---------------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    core is None or not hasattr(core, "Listener"),
+    reason="_core.Listener is not built yet (issue 27, step 3: branch issue-27-conn)",
+)
+def test_native_threads_and_the_loop_serve_pipelining_clients_in_order() -> None:
+    """The shim as the server will run it: two native threads, the loop accepting and
+    serving what they hand over, eight clients pipelining get_id with other calls and new
+    agents between, each sending whole calls in bursts while it reads."""
+    generator = NativeStateIdGenerator(GeneratorSettings())
+    generator.native_state.set_gate(math.inf)
+    registry, stats = core.AgentRegistry(), core.NativeStats(2)
+    machine = core.Listener(2, registry, stats, LIMIT)
+    machine.set_state(generator.native_state)
+    machine.start()
+    metrics = ServiceMetrics(generator, service_methods(), max_agents=8)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    rng = random.Random(27)
+    plans = []
+    for _ in range(8):
+        plan = []
+        for seqid in range(500):
+            pick = rng.random()
+            if pick < 0.03:
+                plan.append(call_bytes("get_layout", seqid, framed=True))
+            elif pick < 0.06:
+                plan.append(get_id(f"agent-{rng.randrange(20)}", seqid))
+            else:
+                plan.append(get_id("alpha", seqid))
+        plans.append((plan, [rng.randrange(1, 30) for _ in range(500)]))
+
+    def client(plan: list[bytes], bursts: list[int]) -> list[tuple[str, int, int, Any]]:
+        with socket.create_connection(sock.getsockname()[:2], timeout=10) as c:
+
+            def send() -> None:
+                pos = 0
+                for n in bursts:
+                    c.sendall(b"".join(plan[pos : pos + n]))
+                    pos += n
+                    if pos >= len(plan):
+                        return
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            try:
+                return replies(c, len(plan))
+            finally:
+                sender.join(10)
+
+    async def serve() -> list[list[tuple[str, int, int, Any]]]:
+        loop = asyncio.get_running_loop()
+        shared = Shared(
+            loop=loop, metrics=metrics, executor=ThreadPoolExecutor(1), turns=TurnQueue(loop)
+        )
+
+        def make(stats_: ConnectionStats) -> Protocol:
+            handler = SnowflakeHandler(generator, metrics, stats_, wall_clock_ms)
+            return ThriftProtocol(Processor(handler, stats_), framed=True, limit=LIMIT)
+
+        listener = Listener("thrift", make, 100, 0.0, 0.0, None, shared)
+
+        def admit(conn: Any) -> bool:
+            listener.open.add(conn)
+            shared.connections.add(conn)
+            return True
+
+        listener.admit = admit
+        labels: dict[str, int] = {}
+        native = serve_natively(
+            loop,
+            machine,
+            listener,
+            sock,
+            constants=core,
+            registry=registry,
+            label_index=lambda label: labels.setdefault(label, len(labels)),
+        )
+        with ThreadPoolExecutor(8) as clients:
+            got = await asyncio.gather(
+                *(loop.run_in_executor(clients, client, *plan) for plan in plans)
+            )
+        native.close()
+        native.stop()
+        shared.executor.shutdown()
+        return list(got)
+
+    try:
+        with forbidding_waits():
+            results = asyncio.run(serve())
+    finally:
+        machine.stop(1.0)
+        sock.close()
+    every_id = []
+    for got in results:
+        assert [r[2] for r in got] == list(range(500))
+        assert all(r[1] == TMessageType.REPLY for r in got)
+        ids = [r[3].success for r in got if r[0] == "get_id"]
+        assert ids == sorted(ids)
+        every_id += ids
+    assert len(set(every_id)) == len(every_id)
+    assert stats.snapshot(registry)["calls"] > 0  # native served some, Python the rest
+    assert metrics.totals().exceptions == {}
