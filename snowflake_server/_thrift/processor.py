@@ -124,6 +124,8 @@ class Processor:
         # its next calls skip decoding and checking. Bounded as the handler's cache is.
         self._agents: dict[bytes, tuple[str, str]] = {}
         self.restricted = False
+        # Told of each agent get_id_frame validates (a native listener serves it from then on).
+        self.on_agent: Callable[[bytes, str], object] | None = None
 
     def allow_only(self, methods: Collection[str]) -> None:
         """Serve only ``methods``: any other call gets ``UnavailableError`` (a
@@ -170,6 +172,8 @@ class Processor:
                 label = self._label(useragent)
                 if len(self._agents) < _AGENT_CACHE_SIZE:
                     self._agents[agent] = (label, useragent)  # type: ignore[assignment]  # valid: a str
+                if self.on_agent is not None:
+                    self.on_agent(agent, label)
             id_ = self._issue_id(label, useragent)
         except WouldBlock:
             raise

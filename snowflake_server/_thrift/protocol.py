@@ -51,6 +51,8 @@ class ThriftProtocol:
         self._scanner: MessageScanner | None = None  # buffered: the message coming in
         self._get_id_frame = processor.get_id_frame
         self._last_head = self._last_tail = self._last_agent = b"\xff"  # no request matches
+        self.native_eligible = framed and not peer_check_only
+        """A native listener may answer this connection's common ``get_id`` calls."""
         if peer_check_only:
             processor.allow_only(PEER_CHECK_METHODS)
         elif framed:
@@ -78,6 +80,10 @@ class ThriftProtocol:
 
     def pending(self, buf: bytearray) -> bool:
         return bool(buf)
+
+    def register_agents_with(self, on_agent: Callable[[bytes, str], object]) -> None:
+        """Tell ``on_agent(agent_bytes, label)`` of each agent a ``get_id`` validates."""
+        self._processor.on_agent = on_agent
 
     def next_request(self, buf: bytearray, pos: int) -> tuple[bytes | None, int]:
         if self._framed:
