@@ -246,6 +246,26 @@ AgentRegistry_label(AgentRegistry *self, PyObject *arg)
     return PyLong_FromLong(result);
 }
 
+static PyObject *
+AgentRegistry_agent(AgentRegistry *self, PyObject *arg)
+{
+    long i = PyLong_AsLong(arg);
+    if (i == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    const sf_agent *e = NULL;
+    pthread_mutex_lock(&self->r->write_mutex);
+    if (i >= 0 && (uint32_t)i < atomic_load_explicit(&self->r->count, memory_order_relaxed)) {
+        e = self->r->by_index[i]; /* immutable until the registry is freed */
+    }
+    pthread_mutex_unlock(&self->r->write_mutex);
+    if (e == NULL) {
+        PyErr_SetString(PyExc_IndexError, "no agent registered at that index");
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize((const char *)e->bytes, (Py_ssize_t)e->len);
+}
+
 static Py_ssize_t
 AgentRegistry_len(AgentRegistry *self)
 {
@@ -344,6 +364,8 @@ static PyMethodDef AgentRegistry_methods[] = {
      "lookup(agent): its index, or -1 (not registered: Python serves it)."},
     {"label", (PyCFunction)AgentRegistry_label, METH_O,
      "label(index): the label index the agent at index was registered under."},
+    {"agent", (PyCFunction)AgentRegistry_agent, METH_O,
+     "agent(index): the agent's bytes registered at index (the audit trail names it)."},
     {"lookup_spin", (PyCFunction)AgentRegistry_lookup_spin, METH_VARARGS,
      "lookup_spin(agents, rounds): lookups without the GIL (tests)."},
     {NULL, NULL, 0, NULL},

@@ -245,6 +245,10 @@ def test_the_registry_gives_each_agent_one_index_and_label() -> None:
         registry.add(b"a" * (MAX_USER_AGENT_LENGTH + 1), 1)
     with pytest.raises(IndexError):
         registry.label(2)
+    assert (registry.agent(0), registry.agent(1)) == (b"alpha", b"beta"), "for the audit trail"
+    for index in (2, -1):
+        with pytest.raises(IndexError):
+            registry.agent(index)
     assert registry.lookup(b"a" * 4000) == -1
 
 
