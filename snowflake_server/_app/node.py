@@ -53,7 +53,7 @@ from .._observability.metrics import ConnectionStats, ServiceMetrics
 from .._observability.probes import Check, LoopWatch, Readiness
 from .._service import SnowflakeHandler
 from .._serving.listeners import check_open_files, listen_socket
-from .._serving.server import Endpoint, Server
+from .._serving.server import Endpoint, Native, Server
 from .._serving.tls import server_context
 from .._state.reservation import MarkStore
 from .._state.worker import Worker
@@ -237,6 +237,8 @@ class Node:
         self.thrift_address = ("", 0)
         self.admin_address = ("", 0)
         self.http_address: tuple[str, int] | None = None
+        self._native_watches: tuple[LoopWatch, ...] = ()  # one per native thread serving
+        self._native_counts: Callable[[], None] = lambda: None
 
     @property
     def server(self) -> Server | None:
@@ -275,6 +277,12 @@ class Node:
         if self._stopping.is_set():  # asked after the last wait: serve nobody
             raise StartupInterrupted("asked to stop while starting; nothing was served")
         self._server.listen()
+        if "thrift" in self._server.native_endpoints:
+            self._native_counts()  # counted once they serve (snowflake_native_threads)
+            for watch in self._native_watches:
+                self.readiness.add_check(watch.unready)
+        else:
+            self._native_watches = ()  # none started: Python serves alone
         self.lifecycle.serving()
 
     def _bind_ports(self) -> _Ports:
@@ -341,6 +349,7 @@ class Node:
                 idle_timeout=serving.idle_timeout,
                 request_timeout=serving.request_timeout,
                 reserve=PEER_CHECK_SLOTS,
+                native=self._native(mode, metrics, audit),
             )
         ]
         if ports.http is not None:
@@ -358,6 +367,42 @@ class Node:
         server = Server(endpoints, metrics, tls=self._tls_context(), ticks=self.loop_watch)
         self._cleanup.callback(server.close)
         return server
+
+    def _native(self, mode: Mode, metrics: ServiceMetrics, audit: AuditLog | None) -> Native | None:
+        """The Thrift port's native threads (not yet started), if it is served natively
+        and the native core is built (``native_core`` logs why not)."""
+        serving = self.settings.serving
+        core = native_core() if serving.native else None
+        if core is None:
+            return None
+        threads = serving.native_threads
+        registry = core.AgentRegistry()
+        stats = core.NativeStats(threads)
+        machine = core.Listener(
+            threads,
+            registry,
+            stats,
+            serving.max_frame_size,
+            budget=None if audit is None else audit.budget,
+        )
+        probes = self.settings.probes
+        watches = tuple(
+            LoopWatch(
+                max_lag_s=probes.max_lag_s,
+                max_stall_s=probes.max_stall_s,
+                name=f"native thread {i}",
+            )
+            for i in range(threads)
+        )
+        # Ids natively issued come from the worker's own state, whichever is installed.
+        mode.watch_native(machine.set_state)
+        if audit is not None:
+            audit.add_source(
+                machine.take_audit, lambda index: registry.agent(index).decode("utf-8", "replace")
+            )
+        self._native_watches = watches
+        self._native_counts = lambda: metrics.add_native(stats, registry)
+        return Native(machine, core, registry, metrics.agent_index, watches)
 
     def _tls_context(self) -> ssl.SSLContext | None:
         serving = self.settings.serving
@@ -404,7 +449,7 @@ class Node:
             registry,
             self.settings.admin,
             ready=ready,
-            live=self.loop_watch.wedged,
+            live=self._wedged,
             bound=bound,
             web=web,
         )
@@ -413,6 +458,14 @@ class Node:
         admin.start()
         self._cleanup.callback(admin.stop)
         return admin.address
+
+    def _wedged(self) -> str | None:
+        """Liveness: why the loop or a native thread has stopped turning, or None."""
+        for watch in (self.loop_watch, *self._native_watches):
+            reason = watch.wedged()
+            if reason is not None:
+                return reason
+        return None
 
     def run(self) -> None:
         """Serve until :meth:`drain` or :meth:`request_stop`; calls in flight finish first."""

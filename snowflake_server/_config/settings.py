@@ -94,6 +94,9 @@ class WorkerSettings:
     first_start_wait: float
     host_lock_scope: str
     max_batch: int
+    native_state: bool = False
+    """Native threads will issue this worker's ids (``ServingSettings.native``): its
+    state lives in the native core where that is built."""
 
     def generator(self, worker_id: int) -> GeneratorSettings:
         """The generator's settings for ``worker_id`` (checked against the layout)."""
@@ -219,6 +222,12 @@ class ServingSettings:
     @property
     def http(self) -> bool:
         return self.http_port != HTTP_OFF
+
+    @property
+    def native(self) -> bool:
+        """Native threads answer the Thrift port's get_id where the native core is built:
+        framed, without TLS, with threads to run."""
+        return self.native_threads > 0 and self.transport == "framed" and not self.tls_cert
 
     @property
     def connection_slots(self) -> int:
@@ -430,7 +439,11 @@ class ServerSettings:
 
     @property
     def worker(self) -> WorkerSettings:
-        return self._view(WorkerSettings, first_start_wait=self.first_start_window)
+        return self._view(
+            WorkerSettings,
+            first_start_wait=self.first_start_window,
+            native_state=self.serving.native,
+        )
 
     @property
     def ids(self) -> GeneratorSettings:

@@ -132,6 +132,7 @@ class LoopWatch(Collector):
         window_s: float = 5.0,
         interval_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
+        name: str = "the serving loop",
     ) -> None:
         if not (max_lag_s > 0 and max_stall_s > 0 and 0 < interval_s < window_s):
             raise ValueError(
@@ -139,6 +140,7 @@ class LoopWatch(Collector):
                 f"{max_lag_s!r}, {max_stall_s!r}, {interval_s!r}, {window_s!r}"
             )
         self.interval_s = interval_s
+        self.name = name  # in the probes' reasons: a native thread is watched as the loop is
         self._max_lag_s = max_lag_s
         self._max_stall_s = max_stall_s
         self._window_s = window_s
@@ -181,7 +183,7 @@ class LoopWatch(Collector):
             return None
         limit = self._max_lag_s
         return (
-            f"overloaded: the serving loop has lagged {lag:.2f} s (the median over the last "
+            f"overloaded: {self.name} has lagged {lag:.2f} s (the median over the last "
             f"{self._window_s:g} s) against --ready-max-lag {limit:g} s; ready again at "
             f"{limit * _RECOVERED:g} s or less"
         )
@@ -196,7 +198,7 @@ class LoopWatch(Collector):
         if stalled <= self._max_stall_s:
             return None
         return (
-            f"the serving loop has not turned for {stalled:.1f} s "
+            f"{self.name} has not turned for {stalled:.1f} s "
             f"(--live-max-stall {self._max_stall_s:g} s)"
         )
 

@@ -39,6 +39,7 @@ __all__ = [
     "NativeConnection",
     "NativeListener",
     "NativeMachine",
+    "NativeThreads",
     "NativeTransport",
     "serve_natively",
 ]
@@ -88,6 +89,23 @@ class NativeMachine(Protocol):
     def out_len(self, handle: int, /) -> int: ...
 
     def forwarded(self, handle: int, /) -> int: ...
+
+
+class NativeThreads(NativeMachine, Protocol):
+    """A native listener whose threads serve (``_core.Listener`` with ``threads >= 1``)."""
+
+    def start(self) -> None:
+        """Start every thread, or raise ``OSError`` with none left running."""
+
+    def stop(self, timeout_s: float = 1.0, /) -> bool:
+        """Stop and join every thread; False if one did not end in time."""
+
+    def ticks(self) -> list[tuple[float, float]]:
+        """Per thread: seconds since its loop last turned, and the most its tick was late
+        since the last call."""
+
+    def set_state(self, state: Any, /) -> None:
+        """The generator state native threads issue from (None: they hand every call over)."""
 
 
 class Registry(Protocol):

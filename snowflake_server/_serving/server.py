@@ -31,7 +31,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 from typing import Protocol as Interface
 
 from .._errors import ConfigurationError
@@ -40,14 +41,16 @@ from .._observability.metrics import ConnectionStats, ServiceMetrics
 from .connection import Connection, Listener, Protocol, Shared
 from .fairness import TurnQueue
 from .listeners import new_event_loop, started_threads
+from .native import NativeListener, NativeThreads, Registry, serve_natively
 
-__all__ = ["Endpoint", "LoopTicks", "Server"]
+__all__ = ["Endpoint", "LoopTicks", "Native", "Server"]
 
 log = logging.getLogger(__name__)
 
 _REJECT_LOG_EVERY_S = 10.0
 _WAIT_THREADS = 4  # calls that must wait (clock stepped back, reservation) run on these
 _AFTER_ABORT_S = 1.0
+_NATIVE_JOIN_S = 1.0
 _SWITCH_INTERVAL_S = 0.001
 RESERVED_FOR_S = 5.0
 """How long a connection admitted over the limit (peer checks only) may stay."""
@@ -83,6 +86,23 @@ class LoopTicks(Interface):
 
 
 @dataclass(frozen=True)
+class Native:
+    """An endpoint's ``get_id`` answered on native threads (see :mod:`.native`).
+
+    ``machine`` is the native listener (``_core.Listener`` with its threads, not yet
+    started; ``constants`` its module), ``registry`` the agents it may serve, each
+    registered under ``label_index(label)`` once Python validated it. ``ticks`` watch its
+    threads, one each, as ``Server``'s ``ticks`` watches the loop.
+    """
+
+    machine: NativeThreads
+    constants: Any
+    registry: Registry
+    label_index: Callable[[str], int]
+    ticks: Sequence[LoopTicks] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
 class Endpoint:
     """One port the server serves: its socket (bound, not yet listening), its
     protocol, its slots and deadlines.
@@ -100,6 +120,8 @@ class Endpoint:
     request_timeout: float = 0.0
     reserve: int = 0
     tls: bool = True
+    native: Native | None = None
+    """Answer its get_id on native threads too (framed Thrift without TLS only)."""
 
     @property
     def address(self) -> tuple[str, int]:
@@ -140,6 +162,7 @@ class Server:
         self._tick_handle: asyncio.TimerHandle | None = None
         self._last_reject_log: dict[str, float] = {}
         self._waits: ThreadPoolExecutor | None = None
+        self._native: dict[str, Native] = {}  # by endpoint name: those whose threads started
         for endpoint in self._endpoints:
             endpoint.sock.setblocking(False)
             metrics.set_limit(endpoint.name, endpoint.max_connections)
@@ -166,7 +189,31 @@ class Server:
                 ) from None
         if self._waits is None:
             self._waits = started_threads(_WAIT_THREADS, "snowflake-wait")
+        for endpoint in self._endpoints:
+            self._start_native(endpoint)
         self._listening = True
+
+    def _start_native(self, endpoint: Endpoint) -> None:
+        """Start ``endpoint``'s native threads (all now: none is started while serving), or
+        serve it in Python alone if they cannot start."""
+        native = endpoint.native
+        if native is None or endpoint.name in self._native:
+            return
+        try:
+            native.machine.start()
+        except OSError as e:
+            host, port = endpoint.address
+            log.warning(
+                "native threads for %s:%d could not start (%s): Python serves every request",
+                host, port, e.strerror or e,
+            )  # fmt: skip
+            return
+        self._native[endpoint.name] = native
+
+    @property
+    def native_endpoints(self) -> frozenset[str]:
+        """The endpoints whose get_id native threads answer (their threads started)."""
+        return frozenset(self._native)
 
     def set_tls(self, tls: ssl.SSLContext) -> None:
         """Serve connections accepted from now on with ``tls`` (those open keep theirs)."""
@@ -206,10 +253,14 @@ class Server:
             self.close()
 
     def close(self) -> None:
-        """Release the listening sockets and the wait threads; for a server that never
-        served, or after serving."""
+        """Release the listening sockets, the native threads (joined: no id is issued
+        natively once this returns) and the wait threads; for a server that never served,
+        or after serving."""
         for endpoint in self._endpoints:
             endpoint.sock.close()
+        for name, native in self._native.items():
+            if not native.machine.stop(_NATIVE_JOIN_S):
+                log.error("native threads of %s still running after %.0f s", name, _NATIVE_JOIN_S)
         if self._waits is not None:
             self._waits.shutdown(wait=False, cancel_futures=True)
 
@@ -246,10 +297,26 @@ class Server:
             self._stop, self._loop = stop, loop
             if self._stop_at is not None:  # asked before the loop existed
                 loop.call_later(max(0.0, self._stop_at - time.monotonic()), stop.set)
-        servers = []
+        servers: list[asyncio.Server | NativeListener] = []
+        natives: list[NativeListener] = []
         for endpoint in self._endpoints:
             listener = self._listener(endpoint, shared)
             self._listeners.append(listener)
+            native = self._native.get(endpoint.name)
+            if native is not None:
+                natives.append(
+                    serve_natively(
+                        loop,
+                        native.machine,
+                        listener,
+                        endpoint.sock,
+                        constants=native.constants,
+                        registry=native.registry,
+                        label_index=native.label_index,
+                    )
+                )
+                servers.append(natives[-1])
+                continue
             servers.append(
                 await loop.create_server(
                     lambda listener=listener: Connection(listener),  # type: ignore[misc]
@@ -269,6 +336,8 @@ class Server:
             for endpoint in self._endpoints:
                 endpoint.sock.close()  # in case the loop serves a duplicate of it
             await self._drain(shared, all_closed, grace_s)
+            for native_listener in natives:
+                native_listener.stop()  # every connection is gone: no more events
 
     def _listener(self, endpoint: Endpoint, shared: Shared) -> Listener:
         listener = Listener(
@@ -284,9 +353,15 @@ class Server:
         return listener
 
     def _tick(self, loop: asyncio.AbstractEventLoop, ticks: LoopTicks, due: float) -> None:
-        """Tell ``ticks`` how late this tick came, and set the next one."""
+        """Tell ``ticks`` how late this tick came, and each native thread's watch how late
+        its own came (if it turned since: a thread stuck is not told, and its watch
+        sees it stall), and set the next one."""
         now = loop.time()
         ticks.turned(max(0.0, now - due))
+        for native in self._native.values():
+            for watch, (since_s, late_s) in zip(native.ticks, native.machine.ticks(), strict=False):
+                if since_s <= 2 * watch.interval_s:
+                    watch.turned(late_s)
         self._tick_handle = loop.call_at(
             now + ticks.interval_s, self._tick, loop, ticks, now + ticks.interval_s
         )

@@ -38,10 +38,11 @@ log = logging.getLogger(__name__)
 
 
 @functools.cache
-def generator_class() -> type[IdGenerator]:
-    """The generator every worker of this process gets: on the native state where the
-    native core is there (said once), else the pure-Python one (``native_core`` says why)."""
-    if native_core() is None:
+def generator_class(native: bool = True) -> type[IdGenerator]:
+    """The generator a worker gets: on the native state where native threads will serve it
+    (``native``) and the native core is there (said once), else the pure-Python one
+    (``native_core`` says why it is not there)."""
+    if not native or native_core() is None:
         return IdGenerator
     log.info("native generator state: each worker's ids come from one state in the native core")
     return NativeStateIdGenerator
@@ -144,7 +145,7 @@ class Worker:
             reservation = Reservation(stores, clock, clock_sequence=value)
             # Until the first reservation is stored the ceiling is the resume point:
             # no id can be stamped with a time that is not reserved.
-            generator = generator_class()(
+            generator = generator_class(settings.native_state)(
                 settings.generator(worker_id),
                 clock=clock,
                 sleep=sleep,

@@ -248,6 +248,13 @@ def test_native_threads_share_the_cpus_unless_given(
     config = tmp_path / "snowflake.toml"
     config.write_text("native-threads = 3\n")
     assert load_settings(["--config", str(config)], {}).serving.native_threads == 3
+    assert ServerSettings(native_threads=2).worker.native_state, "native threads: a native state"
+    for no_native in (
+        ServerSettings(native_threads=0),
+        ServerSettings(native_threads=2, transport="buffered"),
+        ServerSettings(native_threads=2, tls_cert="server.pem"),
+    ):
+        assert not no_native.serving.native and not no_native.worker.native_state
     with pytest.raises(ConfigurationError, match="native_threads"):
         ServerSettings(native_threads=65)
     with pytest.raises(ConfigurationError, match="native_threads"):

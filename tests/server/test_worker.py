@@ -468,6 +468,7 @@ def test_a_worker_gets_the_native_state_where_the_core_is_there_and_says_which(
 ) -> None:
     caplog.set_level(logging.INFO, logger="snowflake_server")
     chosen = generator_class.__wrapped__()
+    assert generator_class.__wrapped__(False) is IdGenerator, "no native threads: pure Python"
     if native_core() is None:
         assert chosen is IdGenerator
     else:
@@ -477,7 +478,9 @@ def test_a_worker_gets_the_native_state_where_the_core_is_there_and_says_which(
     monkeypatch.setenv("SNOWFLAKE_NO_NATIVE", "1")
     monkeypatch.setattr("snowflake_server._state.worker.native_core", native_core.__wrapped__)
     assert generator_class.__wrapped__() is IdGenerator
-    monkeypatch.setattr("snowflake_server._state.worker.generator_class", lambda: IdGenerator)
+    monkeypatch.setattr(
+        "snowflake_server._state.worker.generator_class", lambda _native=True: IdGenerator
+    )
     clock = FakeClock(T0)
     worker = Worker.open(settings(tmp_path).worker, 3, clock=clock, sleep=clock.sleep)
     try:
