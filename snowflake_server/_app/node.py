@@ -375,6 +375,11 @@ class Node:
         core = native_core() if serving.native else None
         if core is None:
             return None
+        if self._clock is not wall_clock_ms:
+            # Native threads read the system's clock themselves: ids stamped by another
+            # clock (a test's) are Python's alone.
+            log.info("native threads off: ids are stamped by a clock other than the system's")
+            return None
         threads = serving.native_threads
         registry = core.AgentRegistry()
         stats = core.NativeStats(threads)

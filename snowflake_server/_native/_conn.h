@@ -42,7 +42,7 @@
 #define SF_FAST_CONTENDED ((int64_t)-2)
 #define SF_FAST_SPIN_NS 20000
 
-enum { SF_EV_DATA = 1, SF_EV_WRITABLE = 2, SF_EV_LOST = 3, SF_EV_THREAD_DIED = 4 };
+enum { SF_EV_DATA = 1, SF_EV_WRITABLE = 2, SF_EV_LOST = 3, SF_EV_THREAD_DIED = 4, SF_EV_EOF = 5 };
 
 /* The generator's fast call: an id, SF_FAST_SLOW or SF_FAST_CONTENDED; on SLOW *gate says
  * the gate was closed (or the state sealed), on an id *time_ms is its ms. */
@@ -72,6 +72,7 @@ typedef struct {
     int thread;   /* the owner */
     int leased, reading, closing, lost, writable;
     int hup;                   /* epoll said ERR/HUP: out of epoll while nothing is wanted */
+    int eof;                   /* the peer sent its last byte: nothing more is read */
     int registered;            /* in the owner's epoll */
     uint32_t mask;             /* the events registered */
     uint8_t *in;               /* SF_IN_CAP bytes; leased: at most one partial frame kept */
@@ -205,7 +206,7 @@ sf_conn_update(sf_listener *l, sf_conn *c)
     int under = c->leased ? c->out_len <= l->high
                           : c->consumed >= c->forwarded ||
                                 c->forwarded - c->consumed <= l->forward_high;
-    if (!c->closing && c->reading && under) {
+    if (!c->closing && !c->eof && c->reading && under) {
         want |= EPOLLIN;
     }
     if (c->out_len) {
@@ -333,21 +334,30 @@ sf_give_back(sf_listener *l, sf_thread *th, sf_conn *c, size_t pos, int reason)
     }
 }
 
-/* Peer EOF (err 0) or a failed read/send: the lease given back (its partial frame to
- * Python), out flushed if the socket takes it, the fd closed, EV_LOST. */
+/* A failed read or send (err: its errno): the lease given back (its partial frame to
+ * Python), the fd closed, EV_LOST. */
 static void
 sf_conn_hangup(sf_listener *l, sf_conn *c, int err)
 {
     if (c->leased) {
         sf_give_back(l, NULL, c, 0, -1);
     }
-    if (c->out_len && err == 0) {
-        ssize_t n = send(c->fd, c->out + c->out_off, c->out_len, MSG_NOSIGNAL | MSG_DONTWAIT);
-        (void)n; /* what the socket does not take now is lost with the peer */
-    }
     sf_conn_close_fd(l, c, 0);
     c->lost = 1;
     sf_ev_post(l, SF_EV_LOST, sf_handle(c), err, NULL, 0);
+}
+
+/* The peer half-closed: the lease given back (its partial frame to Python), nothing more
+ * read, EV_EOF. The connection stays open, as an asyncio transport does until its
+ * protocol answers eof_received: Python serves what it received, then closes. */
+static void
+sf_conn_eof(sf_listener *l, sf_conn *c)
+{
+    if (c->leased) {
+        sf_give_back(l, NULL, c, 0, -1);
+    }
+    c->eof = 1;
+    sf_ev_post(l, SF_EV_EOF, sf_handle(c), 0, NULL, 0);
 }
 
 static void
@@ -455,7 +465,7 @@ sf_conn_read(sf_listener *l, sf_thread *th, sf_conn *c)
         return;
     }
     if (n == 0) {
-        sf_conn_hangup(l, c, 0);
+        sf_conn_eof(l, c);
         return;
     }
     c->read_seen = 1;
@@ -584,8 +594,8 @@ sf_cmd_grant(sf_listener *l, sf_conn *c, uint64_t consumed)
     if (consumed > c->consumed) {
         c->consumed = consumed;
     }
-    if (!c->leased && c->fd >= 0 && !c->closing && !c->lost && consumed == c->forwarded &&
-        c->in_len == 0) {
+    if (!c->leased && c->fd >= 0 && !c->closing && !c->lost && !c->eof &&
+        consumed == c->forwarded && c->in_len == 0) {
         c->leased = 1;
         sf_conn_update(l, c);
     }
@@ -722,7 +732,7 @@ sf_adopt(sf_listener *l, int fd)
     c->in_use = 1;
     c->fd = fd;
     c->thread = thread;
-    c->leased = c->reading = c->closing = c->lost = c->hup = 0;
+    c->leased = c->reading = c->closing = c->lost = c->hup = c->eof = 0;
     c->writable = 1;
     c->registered = 0;
     c->mask = 0;
@@ -836,7 +846,7 @@ sf_thread_main(void *arg)
     return NULL;
 }
 
-/* A test seam (_core._fail_thread_start): the next start() fails to create this thread. */
+/* A test seam (_core.fail_thread_start): the next start() fails to create this thread. */
 static int sf_fail_thread_start = -1;
 
 /* Starts every thread, held until all are: 0, or the errno of the one that could not start

@@ -1487,7 +1487,7 @@ Listener_ticks(Listener *self, PyObject *Py_UNUSED(ignored))
     return list;
 }
 
-/* _break_epoll(thread): a test seam: the thread's epoll fd is replaced by /dev/null's (its
+/* break_epoll(thread): a test seam: the thread's epoll fd is replaced by /dev/null's (its
  * waiting epoll_wait is woken), so its next epoll_wait fails with EINVAL, as a thread whose
  * epoll broke: EV_LOST for each of its connections, then EV_THREAD_DIED. */
 static PyObject *
@@ -1580,8 +1580,8 @@ static PyMethodDef Listener_methods[] = {
      "set_state(state): the GeneratorState native issues from (None: every match handed over)."},
     {"take_audit", (PyCFunction)Listener_take_audit, METH_NOARGS,
      "take_audit(): (id, time_ms, agent_index) of every native id since the last call."},
-    {"_break_epoll", (PyCFunction)Listener_break_epoll, METH_O,
-     "_break_epoll(thread): that thread's next epoll_wait fails (a test seam)."},
+    {"break_epoll", (PyCFunction)Listener_break_epoll, METH_O,
+     "break_epoll(thread): that thread's next epoll_wait fails (a test seam)."},
     {"ticks", (PyCFunction)Listener_ticks, METH_NOARGS,
      "ticks(): per thread (seconds since its loop turned, its tick's most lateness since the "
      "last call)."},
@@ -1601,7 +1601,7 @@ static PyTypeObject ListenerType = {
     .tp_getset = Listener_getset,
 };
 
-/* _fail_thread_start(n): a test seam: the next start() fails to create its thread n
+/* fail_thread_start(n): a test seam: the next start() fails to create its thread n
  * (0-based) as pthread_create does at pids.max (EAGAIN), once; -1 clears it. */
 static PyObject *
 py_fail_thread_start(PyObject *Py_UNUSED(module), PyObject *arg)
@@ -1624,8 +1624,8 @@ static PyMethodDef listener_functions[] = {
      "the buffer's first frame; result SCAN_NEED_MORE, SCAN_MATCH or SCAN_HANDOVER."},
     {"get_id_reply", (PyCFunction)(void (*)(void))py_get_id_reply, METH_FASTCALL,
      "get_id_reply(seqid, id): the 34 bytes fastpath.get_id_reply packs."},
-    {"_fail_thread_start", (PyCFunction)py_fail_thread_start, METH_O,
-     "_fail_thread_start(n): the next Listener.start() fails to create thread n (a test "
+    {"fail_thread_start", (PyCFunction)py_fail_thread_start, METH_O,
+     "fail_thread_start(n): the next Listener.start() fails to create thread n (a test "
      "seam; -1 clears it)."},
     {NULL, NULL, 0, NULL},
 };
@@ -1644,6 +1644,7 @@ sf_listener_init(PyObject *module)
         PyModule_AddIntConstant(module, "EV_WRITABLE", SF_EV_WRITABLE) < 0 ||
         PyModule_AddIntConstant(module, "EV_LOST", SF_EV_LOST) < 0 ||
         PyModule_AddIntConstant(module, "EV_THREAD_DIED", SF_EV_THREAD_DIED) < 0 ||
+        PyModule_AddIntConstant(module, "EV_EOF", SF_EV_EOF) < 0 ||
         PyModule_AddIntConstant(module, "NATIVE_READ", SF_NATIVE_READ) < 0 ||
         PyModule_AddIntConstant(module, "NATIVE_MAX_FRAME", SF_NATIVE_MAX_FRAME) < 0 ||
         PyModule_AddIntConstant(module, "NATIVE_AGENTS_MAX", SF_AGENTS_MAX) < 0 ||

@@ -168,6 +168,11 @@ class NativeTransport(asyncio.Transport):
         assert self._protocol is not None
         return self._protocol
 
+    @property
+    def writing_paused(self) -> bool:
+        """The protocol was told to pause writing (its unsent replies passed the mark)."""
+        return self._write_paused
+
     def is_closing(self) -> bool:
         return self._closing
 
@@ -278,16 +283,32 @@ class NativeTransport(asyncio.Transport):
         else:
             protocol.pause_writing()
 
+    def eof(self) -> None:
+        """The peer half-closed (native reads nothing more): told as asyncio tells it; a
+        False answer closes, on the loop's next turn, so that what was received before has
+        its turn first (served, or refused with the reason written) as on the pure path."""
+        protocol = self._protocol
+        if self._lost or self._closing or protocol is None:
+            return
+        if not protocol.eof_received():
+            self._loop.call_soon(self.close)
+
     def lost(self, error: int) -> None:
-        """Native closed the connection (``error``: the errno that ended it, or 0)."""
+        """Native closed the connection (``error``: the errno that ended it, or 0 when
+        Python closed or aborted it): the protocol is told on the loop's next turn, after
+        bytes already delivered or due, as asyncio's transports do."""
         if self._lost:
             return
         self._lost = self._closing = True
-        if self._delivery is not None:
-            self._delivery.cancel()
+        protocol = self._protocol
+        if protocol is None:
+            return
+        if self._paused and self._delivery is not None:
+            self._delivery.cancel()  # never read, as a paused asyncio transport's
             self._delivery = None
-        if self._protocol is not None:
-            self._protocol.connection_lost(OSError(error, os.strerror(error)) if error else None)
+        self._loop.call_soon(
+            protocol.connection_lost, OSError(error, os.strerror(error)) if error else None
+        )
 
     def _schedule_delivery(self) -> None:
         # On the next turn of the loop, as asyncio resumes reading: never inside the
@@ -297,7 +318,7 @@ class NativeTransport(asyncio.Transport):
 
     def _deliver(self) -> None:
         self._delivery = None
-        if self._paused or self._lost or not self._held:
+        if self._paused or not self._held:
             return
         data, self._held = bytes(self._held), bytearray()
         assert self._protocol is not None
@@ -426,6 +447,7 @@ class NativeListener:
         self._ev_writable = constants.EV_WRITABLE
         self._ev_lost = constants.EV_LOST
         self._ev_thread_died = constants.EV_THREAD_DIED
+        self._ev_eof = constants.EV_EOF
         self._transports: dict[int, NativeTransport] = {}
         self._sock = sock
         self._accepting = False
@@ -436,7 +458,7 @@ class NativeListener:
         loop.add_reader(self._events_fd, self.process_events)
         if sock is not None:
             sock.setblocking(False)
-            self._resume_accepting()
+            self.resume_accepting()
 
     @property
     def connections(self) -> int:
@@ -445,8 +467,11 @@ class NativeListener:
 
     # -- accepting ------------------------------------------------------------------------
 
-    def _resume_accepting(self) -> None:
-        self._accept_timer = None
+    def resume_accepting(self) -> None:
+        """Accept again after an out-of-files pause (its timer calls it)."""
+        timer, self._accept_timer = self._accept_timer, None
+        if timer is not None:
+            timer.cancel()  # called before its time
         if self._sock is not None and not self._accepting:
             self._accepting = True
             self._loop.add_reader(self._sock.fileno(), self._accept)
@@ -478,7 +503,7 @@ class NativeListener:
         if self._accepting and self._sock is not None:
             self._accepting = False
             self._loop.remove_reader(self._sock.fileno())
-        self._accept_timer = self._loop.call_later(pause, self._resume_accepting)
+        self._accept_timer = self._loop.call_later(pause, self.resume_accepting)
 
     def connect(self, client: socket.socket, peer: object) -> NativeConnection | None:
         """Serve ``client`` (a connected socket, taken over): admitted or refused by the
@@ -545,13 +570,17 @@ class NativeListener:
                     transport.lost(int(event[2]))
             finally:
                 self._native.free(handle)
+        elif kind == self._ev_eof:
+            transport = self._transports.get(event[1])
+            if transport is not None:
+                transport.eof()
         elif kind == self._ev_thread_died:
             log.error("native listener thread %s stopped: %s", event[1], os.strerror(int(event[2])))
         else:
             log.error("unknown native listener event %r", event)
 
     def _fail(self, event: tuple[Any, ...]) -> None:
-        if event[0] not in (self._ev_data, self._ev_writable, self._ev_lost):
+        if event[0] not in (self._ev_data, self._ev_writable, self._ev_lost, self._ev_eof):
             return
         handle = event[1]
         transport = self._transports.get(handle)
@@ -578,6 +607,12 @@ class NativeListener:
             self._log_now_and_then("registry", "agent not registered natively: %r", e)
 
     # -- stop ------------------------------------------------------------------------------
+
+    @property
+    def accepting_resumes_at(self) -> float | None:
+        """When accepting resumes after an out-of-files pause (the loop's time), or None."""
+        timer = self._accept_timer
+        return None if timer is None else timer.when()
 
     def close(self) -> None:
         """Accept no more connections (those open are served on, as a closed

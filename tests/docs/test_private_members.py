@@ -23,6 +23,9 @@ ALLOWED: dict[tuple[str, str], str] = {
         "os._exit in a forked child: the documented way to leave a fork without running the "
         "parent's atexit handlers and pytest's teardown twice"
     ),
+    ("tests/serving/test_native_listener.py", "_exit"): (
+        "os._exit in a forked child, as in test_native_generator.py"
+    ),
     ("tests/server/test_membership.py", "_call"): (
         "expires the session (or drops the connection) as kazoo's own test harness does: "
         "a real session event, no public route in kazoo"

@@ -500,11 +500,12 @@ def test_a_client_that_does_not_read_stops_native_and_is_served_once_it_reads(
     for _ in range(1000):  # the client writes all it can and reads nothing
         send_some()
         native.pump()
-        if not conn._writable:  # paused: native's replies passed the mark
+        transport = conn.native_transport
+        if transport is not None and transport.writing_paused:  # native's replies passed it
             break
     transport = conn.native_transport
     assert transport is not None
-    assert not conn._writable and native.machine.out_len(transport.handle) > 65536
+    assert transport.writing_paused and native.machine.out_len(transport.handle) > 65536
     # The lease is back (Python's fast path is off while it cannot write): a frame native
     # had begun went to Python.
     assert not transport.native_pending()
@@ -529,7 +530,7 @@ def test_a_client_that_does_not_read_stops_native_and_is_served_once_it_reads(
     ids = [int.from_bytes(received[i + 25 : i + 33], "big") for i in range(0, len(received), 34)]
     assert seqids == list(range(1, 20001)) and ids == sorted(ids)
     assert native.served(conn) > served  # granted again once its replies drained
-    assert native.metrics.totals().exceptions == {} and conn._writable
+    assert native.metrics.totals().exceptions == {} and not transport.writing_paused
 
 
 def test_the_transport_holds_bytes_while_reading_is_paused_and_delivers_them_later(
@@ -618,11 +619,10 @@ def test_out_of_files_accepting_pauses_doubling_and_logs_once(
     one_turn(made.loop)  # the listening socket is readable: its accept fails
     pauses = []
     for _ in range(3):
-        timer = listener._accept_timer  # when accepting resumes
-        assert timer is not None and made.listener.open == set()
-        pauses.append(round(timer.when() - made.loop.time(), 1))
-        timer.cancel()
-        listener._resume_accepting()  # as its timer would, without waiting for it
+        resumes_at = listener.accepting_resumes_at
+        assert resumes_at is not None and made.listener.open == set()
+        pauses.append(round(resumes_at - made.loop.time(), 1))
+        listener.resume_accepting()  # as its timer would, without waiting for it
         one_turn(made.loop)
     assert pauses == [0.1, 0.2, 0.4]
     assert caplog.text.count("cannot accept connections") == 1  # once per 10 s

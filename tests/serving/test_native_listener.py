@@ -483,20 +483,34 @@ def test_abort_with_unsent_bytes_resets_the_peer(rig: Rig) -> None:
         read_to_the_end()
 
 
-def test_peer_eof_while_leased_posts_the_partial_frame_then_lost(rig: Rig) -> None:
+def test_peer_eof_while_leased_posts_the_partial_frame_then_eof_and_stays_open(rig: Rig) -> None:
+    """A half-close is told (EV_EOF) after the kept bytes; the connection stays open, as an
+    asyncio transport until its protocol answers: Python may still write (a refusal of
+    what came before the end), then closes."""
     handle, peer = rig.adopt()
     peer.sendall(frame(1) + frame(2)[:11])
     peer.shutdown(socket.SHUT_WR)
     rig.step()
     rig.step()
     reply_ids(recv_exactly(peer, REPLY), [1])
-    assert rig.events() == [(core.EV_DATA, handle, frame(2)[:11]), (core.EV_LOST, handle, 0)]
+    assert rig.events() == [(core.EV_DATA, handle, frame(2)[:11]), (core.EV_EOF, handle, 0)]
+    assert rig.listener.grant(handle, rig.listener.forwarded(handle)) is False, "nothing to read"
+    rig.step()
+    assert rig.events() == [], "told once; nothing more is read"
+    assert rig.listener.write(handle, b"why")[0] == 0
+    assert recv_exactly(peer, 3) == b"why"
+    rig.listener.close(handle)
+    rig.step()
+    assert rig.events() == [(core.EV_LOST, handle, 0)]
     assert peer.recv(10) == b""
 
 
-def test_peer_gone_while_leaseless_posts_lost(rig: Rig) -> None:
+def test_peer_gone_while_leaseless_posts_eof_then_lost_once_closed(rig: Rig) -> None:
     handle, peer = rig.adopt(lease=False)
     peer.close()
+    rig.step()
+    assert rig.events() == [(core.EV_EOF, handle, 0)]
+    rig.listener.close(handle)
     rig.step()
     assert rig.events() == [(core.EV_LOST, handle, 0)]
 
@@ -775,7 +789,7 @@ def test_a_thread_whose_epoll_fails_loses_its_connections_and_says_it_died(
     rig = make_rig(request, threads=2)
     rig.listener.start()
     (first, _), (second, peer) = rig.adopt(), rig.adopt()  # round robin: threads 0 and 1
-    rig.listener._break_epoll(0)
+    rig.listener.break_epoll(0)
     events: list[tuple[Any, ...]] = []
 
     def died() -> bool:
@@ -802,7 +816,7 @@ def test_a_start_that_cannot_start_every_thread_leaves_none_running(rig: Rig) ->
     stats = core.NativeStats(3)
     listener = core.Listener(3, rig.registry, stats, LIMIT)
     before = thread_count()
-    core._fail_thread_start(2)
+    core.fail_thread_start(2)
     with pytest.raises(OSError, match="Resource temporarily unavailable") as raised:
         listener.start()
     assert raised.value.errno == errno.EAGAIN

@@ -31,6 +31,7 @@ from snowflake_server._thrift.fastpath import get_id_reply, match_get_id
 
 __all__ = [
     "EV_DATA",
+    "EV_EOF",
     "EV_LOST",
     "EV_THREAD_DIED",
     "EV_WRITABLE",
@@ -44,7 +45,7 @@ __all__ = [
     "scan_prefix",
 ]
 
-EV_DATA, EV_WRITABLE, EV_LOST, EV_THREAD_DIED = 1, 2, 3, 4
+EV_DATA, EV_WRITABLE, EV_LOST, EV_THREAD_DIED, EV_EOF = 1, 2, 3, 4, 5
 NEED_MORE, MATCH, HANDOVER = 0, 1, 2
 NATIVE_READ = 4096
 _OVERHEAD = 30  # every byte of a get_id frame but its agent's
@@ -125,6 +126,7 @@ class _Conn:
     reading: bool = False
     closing: str = ""  # "", "flush" (close once out is sent) or "abort"
     lost: bool = False
+    eof: bool = False  # the peer half-closed: nothing more is read
     inbuf: bytearray = field(default_factory=bytearray)  # leased: at most one partial frame
     out: bytearray = field(default_factory=bytearray)
     writable: bool = True
@@ -235,7 +237,7 @@ class ModelListener:
 
     def grant(self, handle: int, consumed: int) -> bool:
         c = self._conn(handle)
-        if c is None or c.lost or c.closing or c.inbuf or consumed != c.forwarded:
+        if c is None or c.lost or c.closing or c.eof or c.inbuf or consumed != c.forwarded:
             return False
         c.leased = True
         return True
@@ -346,7 +348,7 @@ class ModelListener:
         return handled
 
     def _wants_read(self, c: _Conn) -> bool:
-        if not c.reading or c.closing:
+        if not c.reading or c.closing or c.eof:
             return False
         if c.leased:
             return len(c.out) <= self.high
@@ -361,7 +363,12 @@ class ModelListener:
             self._hang_up(handle, c, e.errno or errnos.EIO)
             return
         if not data:
-            self._hang_up(handle, c, 0)
+            # Half-closed: the lease's bytes go to Python, which serves what it received
+            # and closes (the connection stays open until then, as asyncio's).
+            if c.leased:
+                self._give_back(handle, c, 0, None)
+            c.eof = True
+            self._post(EV_EOF, handle, 0)
             return
         c.read_seen = True
         if not c.leased:
@@ -429,13 +436,9 @@ class ModelListener:
             self._post(EV_WRITABLE, handle, True)
 
     def _hang_up(self, handle: int, c: _Conn, error: int) -> None:
-        """Peer EOF or a read error: the lease's bytes go to Python, what is owed is sent
-        if it can be, then the close."""
+        """A read error: the lease's bytes go to Python, then the close."""
         if c.leased:
             self._give_back(handle, c, 0, None)
-        if not error:
-            with contextlib.suppress(OSError):
-                c.sock.send(c.out, socket.MSG_NOSIGNAL)
         self._lose(handle, c, error)
 
     def _finish_close(self, handle: int, c: _Conn) -> None:
