@@ -256,9 +256,16 @@ PYTEST_WORKERS ?= 2
 
 # The servers the tests start in their own processes are measured too ([run] patch =
 # subprocess in pyproject.toml). pytest's exit code 5 (no tests ran) fails like any other.
+# The whole suite runs twice: with the native core (built by `native`: native threads answer
+# the Thrift port's get_id), then with it off (SNOWFLAKE_NO_NATIVE=1), the pure-Python server
+# being the reference; coverage adds both runs up.
 test: install system-deps native node-deps prometheus-tools check
 	rm -f .coverage .coverage.*
+	@echo "== the suite with the native core"
 	PATH="$(abspath $(PROMETHEUS_BIN)):$$PATH" \
+	  $(BIN)/coverage run -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+	@echo "== the suite again with the native core off (SNOWFLAKE_NO_NATIVE=1)"
+	PATH="$(abspath $(PROMETHEUS_BIN)):$$PATH" SNOWFLAKE_NO_NATIVE=1 \
 	  $(BIN)/coverage run -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 	$(MAKE) --no-print-directory coverage
 

@@ -241,6 +241,11 @@ class Node:
         self._native_counts: Callable[[], None] = lambda: None
 
     @property
+    def native_threads(self) -> int:
+        """Native threads answering the Thrift port's get_id beside Python (0: none)."""
+        return len(self._native_watches)
+
+    @property
     def server(self) -> Server | None:
         """The server of the node's listeners once :meth:`start` built it, else None."""
         return self._server
@@ -715,10 +720,12 @@ def serve(
     serving.set()
     try:
         ids = node.mode.source.settings if node.mode is not None else settings.ids
+        native = node.native_threads
         log.info(
-            "serving %s/binary on %s:%d (datacenter %d, worker %d); metrics on "
+            "serving %s/binary on %s:%d (datacenter %d, worker %d%s); metrics on "
             "%s://%s:%d/metrics",
             settings.transport, *node.thrift_address, ids.datacenter_id, ids.worker_id,
+            f"; get_id on {native} native thread{'s' if native > 1 else ''} too" if native else "",
             node.admin_scheme, *node.admin_address,
             extra={
                 "thrift": "{}:{}".format(*node.thrift_address),

@@ -43,7 +43,7 @@ from .fairness import TurnQueue
 from .listeners import new_event_loop, started_threads
 from .native import NativeListener, NativeThreads, Registry, serve_natively
 
-__all__ = ["Endpoint", "LoopTicks", "Native", "Server"]
+__all__ = ["NATIVE_FALLBACK", "Endpoint", "LoopTicks", "Native", "Server"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ _REJECT_LOG_EVERY_S = 10.0
 _WAIT_THREADS = 4  # calls that must wait (clock stepped back, reservation) run on these
 _AFTER_ABORT_S = 1.0
 _NATIVE_JOIN_S = 1.0
+NATIVE_FALLBACK = "Python serves every request"
+"""The end of the line logged when native threads could not start."""
 _SWITCH_INTERVAL_S = 0.001
 RESERVED_FOR_S = 5.0
 """How long a connection admitted over the limit (peer checks only) may stay."""
@@ -204,8 +206,8 @@ class Server:
         except OSError as e:
             host, port = endpoint.address
             log.warning(
-                "native threads for %s:%d could not start (%s): Python serves every request",
-                host, port, e.strerror or e,
+                "native threads for %s:%d could not start (%s): %s",
+                host, port, e.strerror or e, NATIVE_FALLBACK,
             )  # fmt: skip
             return
         self._native[endpoint.name] = native

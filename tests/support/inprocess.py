@@ -14,7 +14,19 @@ from kazoo.client import KazooClient
 from snowflake_server import Node, ServerSettings
 from snowflake_server._app.node_id import WorkerIdOrigin
 from snowflake_server._ids.clocks import wall_clock_ms
+from snowflake_server._native import native_core
 from tests.support.endpoints import Endpoints, unique_scope
+
+
+def check_native(node: Node, clock: Callable[[], int]) -> None:
+    """Native threads serve exactly where they should: a suite run with the native core
+    built (``make test`` runs it twice, with and without) must never pass by falling back
+    to Python alone unseen."""
+    expected = node.settings.serving.native and native_core() is not None and clock is wall_clock_ms
+    assert bool(node.native_threads) == expected, (
+        f"native threads serving: {node.native_threads}, expected "
+        f"{'some' if expected else 'none'} (settings {node.settings.serving})"
+    )
 
 
 class InProcessServer(Endpoints):
@@ -49,6 +61,7 @@ class InProcessServer(Endpoints):
             host_lock_scope=host_lock_scope if host_lock_scope is not None else unique_scope(),
         )
         self.transport = self.settings.transport
+        self._clock = clock
         self.node = Node(
             self.settings, clock=clock, zk_client_factory=zk_client_factory, origin=origin
         )
@@ -57,6 +70,7 @@ class InProcessServer(Endpoints):
 
     def start(self) -> InProcessServer:
         self.node.start()
+        check_native(self.node, self._clock)
         self.port = self.node.thrift_address[1]
         self.metrics_port = self.node.admin_address[1]
         self._thread = threading.Thread(target=self.node.run, name="in-process-server")

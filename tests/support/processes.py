@@ -24,6 +24,7 @@ import thriftpy2
 from snowflake_thrift_client._transports import Transport, open_client
 
 from snowflake_server._app.ready import parse_ready_line
+from snowflake_server._serving.server import NATIVE_FALLBACK
 from tests.support.endpoints import Endpoints, unique_scope
 
 DATA = Path(__file__).parent.parent / "data"
@@ -238,6 +239,8 @@ def start_server(
                 break
             ready = parse_ready_line(line)
             if ready is not None:
+                stderr.seek(0)
+                assert NATIVE_FALLBACK not in stderr.read(), "native threads fell back unseen"
                 server = ServerProcess(
                     process,
                     stderr,
