@@ -258,7 +258,8 @@ PYTEST_WORKERS ?= 2
 # subprocess in pyproject.toml). pytest's exit code 5 (no tests ran) fails like any other.
 # The whole suite runs twice: with the native core (built by `native`: native threads answer
 # the Thrift port's get_id), then with it off (SNOWFLAKE_NO_NATIVE=1), the pure-Python server
-# being the reference; coverage adds both runs up.
+# being the reference; coverage adds both runs up. Then the native tests under ASan+UBSan and
+# TSan, and the native frame parser's fuzz target for 30 s.
 test: install system-deps native node-deps prometheus-tools check
 	rm -f .coverage .coverage.*
 	@echo "== the suite with the native core"
@@ -268,6 +269,8 @@ test: install system-deps native node-deps prometheus-tools check
 	PATH="$(abspath $(PROMETHEUS_BIN)):$$PATH" SNOWFLAKE_NO_NATIVE=1 \
 	  $(BIN)/coverage run -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 	$(MAKE) --no-print-directory coverage
+	$(MAKE) --no-print-directory native-sanitize
+	$(MAKE) --no-print-directory fuzz-native FUZZ_SECONDS=30
 
 # promtool (and prometheus) from Debian's package, unpacked into $(TOOLS) rather than
 # installed: installing it enables prometheus.service, a daemon on 0.0.0.0:9090 that
@@ -315,7 +318,8 @@ test-fast: install prometheus-tools
 # (CPython keeps its objects to the end), and any report fails the run (--capture=sys: pytest
 # must not swallow a report written to file descriptor 2 by a process the sanitizer stops).
 NATIVE_TESTS   ?= tests/server/test_native_generator.py tests/server/test_generator.py \
-	tests/server/test_native_parser.py tests/serving/test_native_listener.py
+	tests/server/test_native_parser.py tests/serving/test_native_listener.py \
+	tests/serving/test_native_connection.py
 SANITIZE_BUILD ?= build/sanitize
 NATIVE_SRC     := snowflake_server/_native/_core.c snowflake_server/_native/_listener.c
 PY_INCLUDE      = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
