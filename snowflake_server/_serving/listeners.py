@@ -75,23 +75,26 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def check_open_files(connections: int) -> None:
+def check_open_files(connections: int, native_threads: int = 0) -> None:
     """Raise this process's soft limit on open files to fit ``connections`` client
-    connections and the files the server needs besides (never past the hard limit,
-    never system-wide). Raises ``ConfigurationError`` if the hard limit is too low:
-    a server out of files fails its high-water mark writes and its probes.
+    connections and the files the server needs besides (``native_threads`` take two
+    each, and their listener one more; never past the hard limit, never system-wide).
+    Raises ``ConfigurationError`` if the hard limit is too low: a server out of files
+    fails its high-water mark writes and its probes.
 
     Call it first thing: it waits for nothing."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = connections + SPARE_FDS
+    besides = SPARE_FDS + (2 * native_threads + 1 if native_threads else 0)
+    wanted = connections + besides
     if soft == resource.RLIM_INFINITY or soft >= wanted:
         return
     if hard != resource.RLIM_INFINITY and hard < wanted:
+        native = ", with --native-threads" if native_threads else ""
         raise ConfigurationError(
             f"serving {connections} connections (--max-connections, {PEER_CHECK_SLOTS} kept for "
-            f"peer checks, --http-max-connections) needs {wanted} open files ({SPARE_FDS} "
-            f"besides the connections), but the open-file limit is {soft} (soft) / {hard} "
-            f"(hard): raise it (`ulimit -n {wanted}`; LimitNOFILE={wanted} in a systemd "
+            f"peer checks, --http-max-connections) needs {wanted} open files ({besides} "
+            f"besides the connections{native}), but the open-file limit is {soft} (soft) / "
+            f"{hard} (hard): raise it (`ulimit -n {wanted}`; LimitNOFILE={wanted} in a systemd "
             f"unit) or lower those limits by {wanted - hard} or more"
         )
     resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))

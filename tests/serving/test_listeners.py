@@ -49,6 +49,8 @@ def test_the_open_file_limit_is_raised_to_fit_the_connections(open_files: tuple[
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == (256, hard)
     check_open_files(1000)
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == (1000 + SPARE_FDS, hard)
+    check_open_files(1000, native_threads=4)  # an epoll and a wake-up each, one for the events
+    assert resource.getrlimit(resource.RLIMIT_NOFILE) == (1000 + SPARE_FDS + 9, hard)
 
 
 def test_a_hard_limit_too_low_for_the_connections_is_a_configuration_error(
@@ -61,6 +63,9 @@ def test_a_hard_limit_too_low_for_the_connections_is_a_configuration_error(
         check_open_files(hard)
     assert f"ulimit -n {hard + SPARE_FDS}" in str(raised.value)
     assert f"lower those limits by {SPARE_FDS} or more" in str(raised.value)
+    with pytest.raises(ConfigurationError, match=r"with --native-threads") as raised:
+        check_open_files(hard, native_threads=2)
+    assert f"lower those limits by {SPARE_FDS + 5} or more" in str(raised.value)
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == open_files  # nothing changed
 
 
