@@ -148,6 +148,7 @@ class NativeTransport(asyncio.Transport):
         self._write_paused = False  # the protocol was told to pause writing
         self._held = bytearray()  # received while paused, or before earlier bytes went up
         self._delivery: asyncio.Handle | None = None
+        self._eof = False  # the peer's end of stream, not yet told
         self._served_seen = 0
 
     @property
@@ -220,6 +221,8 @@ class NativeTransport(asyncio.Transport):
             self._paused = False
             self._native.reading(self._handle, True)
             self._schedule_delivery()
+            if self._eof and self._delivery is None:
+                self._delivery = self._loop.call_soon(self._deliver)  # the end, in its turn
 
     # -- the lease and what the deadlines see -------------------------------------------
 
@@ -284,9 +287,19 @@ class NativeTransport(asyncio.Transport):
             protocol.pause_writing()
 
     def eof(self) -> None:
-        """The peer half-closed (native reads nothing more): told as asyncio tells it; a
-        False answer closes, on the loop's next turn, so that what was received before has
-        its turn first (served, or refused with the reason written) as on the pure path."""
+        """The peer half-closed (native reads nothing more). The end of the stream is a
+        place in it: told as asyncio tells it, once the protocol reads again after every
+        byte before it (a connection waiting for its turn, or for a call on a thread, has
+        paused reading: an asyncio transport would not have read the end yet). A False
+        answer closes, on the loop's next turn, after what the protocol still writes for
+        what it received."""
+        self._eof = True
+        if self._paused or self._held:
+            return  # told by _deliver, once reading again and the held bytes are in
+        self._tell_eof()
+
+    def _tell_eof(self) -> None:
+        self._eof = False
         protocol = self._protocol
         if self._lost or self._closing or protocol is None:
             return
@@ -318,11 +331,14 @@ class NativeTransport(asyncio.Transport):
 
     def _deliver(self) -> None:
         self._delivery = None
-        if self._paused or not self._held:
+        if self._paused:
             return
-        data, self._held = bytes(self._held), bytearray()
-        assert self._protocol is not None
-        self._protocol.data_received(data)
+        if self._held:
+            data, self._held = bytes(self._held), bytearray()
+            assert self._protocol is not None
+            self._protocol.data_received(data)
+        if self._eof and not (self._paused or self._held):
+            self._tell_eof()
 
 
 class NativeConnection(Connection):

@@ -332,6 +332,34 @@ def test_the_first_request_of_a_new_connection_goes_through_python(native: Nativ
     assert [r[2] for r in replies(client, 1)] == [2] and native.served(conn) == 1
 
 
+def test_a_half_close_ends_the_stream_after_every_call_before_it_is_answered(
+    native: Native,
+) -> None:
+    """The peer's end of stream is a place in it: told once the connection reads again
+    after the calls before it, however many turns they take (found by review: a close on
+    the end of stream came before the queued calls' turns, and they went unanswered)."""
+    calls = 3 * int(QUANTUM)  # more than one turn's credit: several rounds of the queue
+    _, client = native.connect(established=False)
+    client.sendall(b"".join(get_id("beta", seqid) for seqid in range(calls)))
+    client.shutdown(socket.SHUT_WR)
+    for _ in range(8):  # the native thread reads ahead, to the end, before Python looks
+        native.machine.step(0)
+    received, closed = bytearray(), False
+    client.setblocking(False)
+    for _ in range(100):  # the client reads as it goes: its replies do not fill the socket
+        native.pump()
+        with contextlib.suppress(BlockingIOError):
+            while chunk := client.recv(65536):
+                received += chunk
+            closed = True
+        if closed:
+            break
+    assert closed, "closed once every call before the end was answered"
+    seqids = [int.from_bytes(received[i + 18 : i + 22], "big") for i in range(0, len(received), 34)]
+    assert seqids == list(range(calls))
+    assert native.metrics.totals().exceptions == {}, "not a hang-up in the middle of a call"
+
+
 def test_bytes_on_their_way_to_python_keep_the_lease_from_being_granted(native: Native) -> None:
     native.native.on_agent(b"alpha", "alpha")
     _, client = native.connect(established=False)
