@@ -753,6 +753,20 @@ sf_adopt(sf_listener *l, int fd)
         return -err;
     }
     c->registered = 1;
+    if (atomic_load_explicit(&l->threads[thread].dead, memory_order_acquire)) {
+        /* Its thread died since it was chosen, and its sweep of the connections may have
+         * passed this slot before it was in use: nobody would serve it. The sweep stores
+         * dead before it takes slots_mu or any connection's mu, both of which this
+         * adoption took after, so a death it missed is seen here. */
+        epoll_ctl(l->threads[thread].epfd, EPOLL_CTL_DEL, fd, NULL);
+        c->registered = 0;
+        c->fd = -1;
+        c->in_use = 0;
+        pthread_mutex_unlock(&c->mu);
+        close(fd);
+        sf_slot_release(l, slot);
+        return -EIO;
+    }
     pthread_mutex_unlock(&c->mu);
     return (int64_t)handle;
 }

@@ -12,9 +12,12 @@
  * past the ceiling, random sequence starts) returns SLOW with no field touched: Python
  * resolves it in IdGenerator's order, on the same fields under the same mutex.
  *
- * Lock order: a thread holding the mutex never waits for the GIL. Python takes the mutex
- * with the GIL released when it is contended (a native thread holding it can finish), and
- * a native thread lets go of the mutex before it takes the GIL to hand a SLOW call over.
+ * The GIL: a Python thread takes the mutex with the GIL released when it is contended (a
+ * native thread holding it can finish), then takes the GIL back while holding the mutex,
+ * and may run Python code under it (the session gate's copy). That cannot deadlock: native
+ * threads never take the GIL, and every Python thread that blocks on this mutex has let
+ * the GIL go first. The cost is that a native thread may find the mutex held for up to a
+ * switch interval, hence the bounded spin below.
  *
  * A native thread never blocks on the mutex: a Python thread holding it may lose the GIL
  * for a switch interval, or hold it through a clock step it waits out (long_hold). It tries
