@@ -15,12 +15,15 @@ sent and when it came back, on the boot clock, so the checks need no guess of th
   was sent (on any connection: one worker id, one sequence, across re-leases);
 - on each connection the ids increase;
 - no id for a request sent after ``gate.close()`` returned (or after the gate's deadline, or
-  after ``retire()`` returned) and answered before the gate was opened again.
+  after ``retire()`` returned) and answered before the gate was opened again;
+- every id covered by the marks on disk from the moment it was answered: a crash then would
+  restart past it (the ceiling is raised only after the mark is stored).
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import random
 import socket
 import threading
@@ -219,6 +222,17 @@ class Hybrid:
         assert self.remote is not None
         self.remote.close()
 
+    def stored_mark(self) -> int:
+        """The lowest of the marks the two state files hold now (-1: none yet)."""
+        marks = []
+        for directory in ("state", "remote"):
+            path = self.tmp_path / directory / f"worker-0-{WORKER_ID}.json"
+            try:
+                marks.append(int(json.loads(path.read_text())["high_water_mark_ms"]))
+            except FileNotFoundError:
+                return -1
+        return min(marks)
+
     def native(self) -> dict[str, Any]:
         snapshot: dict[str, Any] = self.stats.snapshot()
         return snapshot
@@ -272,7 +286,16 @@ def test_native_and_python_share_one_state_through_gate_expiries_re_leases_and_c
             f"calls are refused after {what}",
         )
 
+    marks: list[tuple[float, int]] = []  # (when, the lowest mark stored then), boot clock
+
+    def watch_marks() -> None:
+        while not stop.is_set():
+            marks.append((boot_clock(), hybrid.stored_mark()))
+            stop.wait(0.001)  # a sample a ms: the mark moves every few dozen
+
     hybrid.open_gate(LONG_S)
+    sampler = threading.Thread(target=watch_marks, name="marks")
+    sampler.start()
     clients = [
         threading.Thread(target=client, args=(hybrid.port, i, calls, stop), name=f"client-{i}")
         for i in range(CLIENTS)
@@ -312,6 +335,8 @@ def test_native_and_python_share_one_state_through_gate_expiries_re_leases_and_c
         stop.set()
         for thread in clients:
             thread.join(10)
+        sampler.join(10)
+    marks.append((boot_clock(), hybrid.stored_mark()))
     assert not any(thread.is_alive() for thread in clients), "a client is stuck"
     assert not calls.unexpected, calls.unexpected[:5]
 
@@ -333,6 +358,12 @@ def test_native_and_python_share_one_state_through_gate_expiries_re_leases_and_c
         before = bisect.bisect_left(got, a.sent)
         if before:
             assert min(a.ids) > highest[before - 1], "an id lower than one issued before it"
+    # Covered on disk from when it was answered on: the first sample taken after the reply.
+    times = [t for t, _ in marks]
+    for a in answers:
+        at = bisect.bisect_right(times, a.got)
+        newest = max(decompose(i).timestamp_ms for i in a.ids)
+        assert newest <= marks[at][1], f"id of ms {newest} answered, the mark {marks[at][1]}"
     for what, since, until in closed:
         issued = [a for a in answers if since < a.sent and a.got < until]
         assert not issued, f"ids issued after {what}: {issued[:3]}"
