@@ -10,11 +10,17 @@ import os
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 from snowflake_thrift_client import compose
 
+from snowflake_server import GeneratorSettings, IdGenerator
+from snowflake_server._native import native_core
+from snowflake_server._observability.metrics import ServiceMetrics
+from snowflake_server._thrift.processor import service_methods
 from tests.support.nemesis import (
     Call,
     Claim,
+    NativeCounts,
     Recording,
     Sample,
     Snapshot,
@@ -190,3 +196,25 @@ def test_a_machine_that_refuses_namespaces_fails_the_nemesis_saying_why(
     assert "unshare --net refused a network namespace here (exit 1)" in str(refusal.value)
     assert "Operation not permitted" in str(refusal.value)
     assert isinstance(refusal.value, AssertionError), "a failure, never a skip"
+
+
+# -- native serving -------------------------------------------------------------------
+
+
+@pytest.mark.skipif(native_core() is None, reason="the native core is not built")
+def test_a_nodes_native_counts_are_read_from_its_metrics_text() -> None:
+    core = native_core()
+    assert core is not None
+    metrics = ServiceMetrics(IdGenerator(GeneratorSettings()), service_methods())
+    registry, stats = core.AgentRegistry(), core.NativeStats(2)
+    metrics.add_native(stats, registry)
+    text = generate_latest(metrics.registry()).decode()
+    assert NativeCounts.parse(text) == NativeCounts(2, 0, dict.fromkeys(core.HANDOFF_REASONS, 0))
+    index = registry.add(b"nemesis", metrics.agent_index(metrics.agent_label("nemesis")))
+    for thread in (0, 1, 1):
+        stats.record_call(thread, index, 1000)
+    stats.record_handoff(0, "gate")
+    stats.record_handoff(1, "gate")
+    counts = NativeCounts.parse(generate_latest(metrics.registry()).decode())
+    assert (counts.threads, counts.calls, counts.handoffs["gate"]) == (2, 3, 2)
+    assert counts.line() == "3/gate:2"

@@ -94,7 +94,7 @@ def test_a_node_cut_off_from_zookeeper_stops_before_its_id_is_leased_elsewhere(
     taken = nemesis.event("n3's worker id leased by the recorder")
     healed = nemesis.heal()
     nemesis.wait_serving(healed, "every node serves again after healing")
-    nemesis.finish(cut_to_lease=f"{taken - cut:.2f}s")
+    nemesis.finish(gate_closed=["n3"], cut_to_lease=f"{taken - cut:.2f}s")
 
 
 @pytest.mark.parametrize("fault", ["partition", "kill"])
@@ -140,7 +140,7 @@ def test_a_node_paused_past_its_session_does_not_serve_its_old_id(nemesis: Scena
         victim.process.send_signal(signal.SIGCONT)
     continued = nemesis.ended("n3 continued (SIGCONT)")
     nemesis.wait_serving(continued, "every node serves after SIGCONT")
-    nemesis.finish(pause_to_lease=f"{taken - paused:.2f}s")
+    nemesis.finish(gate_closed=["n3"], pause_to_lease=f"{taken - paused:.2f}s")
 
 
 def test_a_node_whose_clock_steps_an_hour_ahead_and_back(nemesis: Scenario) -> None:

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
 from snowflake_thrift_client import decompose
 
+from snowflake_server._native import native_core
 from tests.support.netns import Host, Network
 from tests.support.processes import ServerProcess, start_server
 from tests.support.waiting import wait_until
@@ -314,6 +316,46 @@ def longest_outage(calls: Sequence[Call], node: str) -> float:
     return longest
 
 
+# -- native serving -------------------------------------------------------------------
+
+NATIVE = native_core() is not None
+"""The nodes serve get_id on native threads (the core is built here, as for them, and
+``SNOWFLAKE_NO_NATIVE`` is not set: they inherit this environment)."""
+
+_SCRAPE = (
+    "import sys, urllib.request\n"
+    "print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+)
+
+
+@dataclass(frozen=True)
+class NativeCounts:
+    """A node's native serving as its /metrics says: threads serving, calls answered
+    natively, frames handed to Python by reason."""
+
+    threads: float
+    calls: float
+    handoffs: dict[str, float]
+
+    @classmethod
+    def parse(cls, text: str) -> NativeCounts:
+        threads = calls = 0.0
+        handoffs: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "snowflake_native_threads":
+                    threads = sample.value
+                elif sample.name == "snowflake_native_calls_total":
+                    calls = sample.value
+                elif sample.name == "snowflake_native_handoffs_total":
+                    handoffs[sample.labels["reason"]] = sample.value
+        return cls(threads, calls, handoffs)
+
+    def line(self) -> str:
+        handed = ",".join(f"{k}:{v:.0f}" for k, v in sorted(self.handoffs.items()) if v)
+        return f"{self.calls:.0f}/{handed or 'none'}"
+
+
 # -- the cluster under load -----------------------------------------------------------
 
 ZOOKEEPERS = ("zk1", "zk2", "zk3")
@@ -428,6 +470,7 @@ class Scenario:
         self.recorder: Recorder | None = None
         self.events: list[tuple[float, str]] = []
         self.healed: float | None = None
+        self.native: dict[str, NativeCounts] = {}  # each node's, as finish() read them
 
     def event(self, what: str) -> float:
         """Note a fault (or its end) for the timeline; its time."""
@@ -487,12 +530,37 @@ class Scenario:
         self.network.heal()
         return self.ended("partitions healed")
 
-    def finish(self, **extra: str) -> Recording:
-        """Stop the load, print the scenario's ``NEMESIS`` line, and check the record."""
+    def native_counts(self, name: str) -> NativeCounts:
+        """Node ``name``'s native serving now, read from its /metrics (from the clients'
+        namespace, as the recorder reaches it)."""
+        url = f"http://{self.network[name].address}:{ADMIN_PORT}/metrics"
+        scraped = subprocess.run(
+            self.network[CLIENT].command(sys.executable, "-c", _SCRAPE, url),
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        return NativeCounts.parse(scraped.stdout)
+
+    def finish(self, *, gate_closed: Sequence[str] = (), **extra: str) -> Recording:
+        """Stop the load, print the scenario's ``NEMESIS`` line, and check the record, and
+        (with the native core) that native threads answered get_id on every node and handed
+        calls to Python at the closed session gate of each node in ``gate_closed``."""
         assert self.recorder is not None and self.healed is not None
         recording = self.recorder.stop()
         self.recorder = None
+        self.native = {name: self.native_counts(name) for name in NODES}
+        extra = {**extra, **{f"native[{n}]": c.line() for n, c in self.native.items()}}
         summary, problems = self._judge(recording, extra)
+        if NATIVE:
+            problems += [
+                f"{n} served ids but native threads answered none: {c}"
+                for n, c in self.native.items()
+                if not (c.threads > 0 and c.calls > 0)
+            ]
+            problems += [
+                f"{n}'s gate closed but native handed no call to Python for it: {self.native[n]}"
+                for n in gate_closed
+                if not self.native[n].handoffs.get("gate")
+            ]
         print(summary.line())
         assert not problems, "\n".join(
             [summary.line(), *problems, "timeline:", *timeline(recording, self.events),

@@ -63,8 +63,11 @@ class Output:
 def call_ids(
     node: dict[str, Any], config: dict[str, Any], out: Output, stop: threading.Event
 ) -> None:
-    """get_id on ``node``, one call at a time, one every ``pace_s`` (a failed one is
-    followed by a new connection)."""
+    """get_id on ``node``, one call at a time, one every ``pace_s``. A call the server
+    refused (a declared exception) is followed by the next on the same connection, as a
+    client keeps its connection: so the native path meets a closed gate too (a new
+    connection's first call is Python's). Any other failure is followed by a new
+    connection."""
     pace, timeout = config["pace_s"], config["call_timeout_s"]
     client: Any = None
     while not stop.is_set():
@@ -81,7 +84,7 @@ def call_ids(
             answered = isinstance(e, TException) and not isinstance(e, NO_ANSWER)
             out.write(k="call", node=node["name"], t0=t0, t1=t1, err=type(e).__name__,
                       msg=str(getattr(e, "message", "") or e)[:300], answered=answered)  # fmt: skip
-            if client is not None:
+            if client is not None and not answered:
                 client.close()
                 client = None
         stop.wait(max(0.0, t0 + pace - time.monotonic()))
