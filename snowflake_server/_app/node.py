@@ -295,7 +295,8 @@ class Node:
         listening (a connection attempt is refused until the node can serve; the
         Thrift port is bound so that peers can dial us once we are registered)."""
         serving, admin = self.settings.serving, self.settings.admin
-        check_open_files(serving.connection_slots, serving.native_threads if serving.native else 0)
+        native_threads = serving.native_threads if serving.native and native_core() else 0
+        check_open_files(serving.connection_slots, native_threads)  # a limit too low: refuse now
         ports = _Ports()
         self._cleanup.callback(ports.close)  # the servers close them too, once given
         ports.thrift = listen_socket(serving.host, serving.port, reuse_port=serving.reuse_port)

@@ -19,6 +19,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -129,15 +130,25 @@ class AuditLog(Collector):
     def _write_all(self) -> None:
         lines: list[str] = []
         taken = 0
+        sources = self._sources
+        keyed: list[tuple[int, str]] = []  # with native sources: each line by its id
         while self._queue:
             ids, agent, time_ms = self._queue.popleft()
             stamp = _stamp(time_ms)
-            lines.extend(_line(i, agent, stamp) for i in ids)
+            if sources:
+                keyed.extend((i, _line(i, agent, stamp)) for i in ids)
+            else:
+                lines.extend(_line(i, agent, stamp) for i in ids)
             taken += len(ids)
-        for take, agent_of in self._sources:
-            taken += self._take_native(take, agent_of, lines)
+        for take, agent_of in sources:
+            taken += self._take_native(take, agent_of, keyed)
         if not taken:
             return
+        if sources:
+            # Python's and each native thread's entries come in separate queues: in id
+            # order, the round's lines read as one server's (ids rise with time).
+            keyed.sort(key=itemgetter(0))
+            lines = [line for _, line in keyed]
         try:
             with self._file_lock:
                 self._file.writelines(lines)
@@ -150,9 +161,10 @@ class AuditLog(Collector):
         self._release(taken)
 
     def _take_native(
-        self, take: NativeEntries, agent_of: Callable[[int], str], lines: list[str]
+        self, take: NativeEntries, agent_of: Callable[[int], str], lines: list[tuple[int, str]]
     ) -> int:
-        """Adds the lines of ``take``'s entries to ``lines``; returns how many it took."""
+        """Adds the lines of ``take``'s entries, each with its id, to ``lines``; returns
+        how many it took."""
         # The writer must go on for every other entry: a source that fails (a listener
         # gone, an agent it cannot name) loses only its own, counted as dropped.
         try:
@@ -162,7 +174,7 @@ class AuditLog(Collector):
             return 0
         agents: dict[int, str] = {}
         last_ms, stamp = -1, ""
-        mine: list[str] = []
+        mine: list[tuple[int, str]] = []
         try:
             for id_, time_ms, index in entries:
                 agent = agents.get(index)
@@ -170,7 +182,7 @@ class AuditLog(Collector):
                     agent = agents[index] = agent_of(index)
                 if time_ms != last_ms:  # native ids come by the thousand per ms
                     last_ms, stamp = time_ms, _stamp(time_ms)
-                mine.append(_line(id_, agent, stamp))
+                mine.append((id_, _line(id_, agent, stamp)))
         except Exception:
             log.exception("cannot write %d native audit entries", len(entries))
             self._count_dropped(len(entries))

@@ -124,6 +124,30 @@ def test_native_and_python_entries_share_one_budget(tmp_path: Path) -> None:
 
 
 @needs_core
+def test_python_and_native_entries_are_written_in_id_order(tmp_path: Path) -> None:
+    """Each side queues its own entries; a round's lines read as one server's, ids rising
+    (the acceptance test's calls, one after another: Python's first, native's, Python's)."""
+    path = tmp_path / "audit.jsonl"
+    audit, native = shared_log(path, max_pending=100)
+    audit.record([1], "alpha", T0)
+    assert native.issue(2) and native.issue(3)
+    audit.record([4, 5, 6], "beta", T0)
+    assert native.issue(7)
+    audit.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [int(e["id"]) for e in lines] == [1, 2, 3, 4, 5, 6, 7]
+    assert [e["useragent"] for e in lines] == [
+        "alpha",
+        "beta",
+        "beta",
+        "beta",
+        "beta",
+        "beta",
+        "beta",
+    ]
+
+
+@needs_core
 def test_a_full_budget_drops_and_counts_from_both_until_the_writer_frees_it(
     tmp_path: Path,
 ) -> None:
