@@ -19,12 +19,9 @@ from tests.docs.render import ROOT
 TESTS = ROOT / "tests"
 
 ALLOWED: dict[tuple[str, str], str] = {
-    ("tests/server/test_native_generator.py", "_exit"): (
+    ("tests/support/forking.py", "_exit"): (
         "os._exit in a forked child: the documented way to leave a fork without running the "
         "parent's atexit handlers and pytest's teardown twice"
-    ),
-    ("tests/serving/test_native_listener.py", "_exit"): (
-        "os._exit in a forked child, as in test_native_generator.py"
     ),
     ("tests/server/test_membership.py", "_call"): (
         "expires the session (or drops the connection) as kazoo's own test harness does: "

@@ -11,12 +11,8 @@ and none from the fast path once the gate closed.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
-import select
-import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +34,7 @@ from snowflake_server._ids.clocks import boot_clock
 from snowflake_server._ids.generator import NativeStateIdGenerator
 from snowflake_server._native import native_core, native_disabled
 from tests.support.fakes import FakeClock, SecondsClock
+from tests.support.forking import in_a_child
 from tests.support.waiting import run_in_thread, wait_until
 
 core = native_core()
@@ -466,37 +463,6 @@ def test_a_fast_call_waits_out_a_short_hold_and_gives_up_when_it_turns_long() ->
 # -- fork: a child never issues from its parent's state ----------------------------------
 
 
-def _in_a_child(run: Callable[[], dict[str, object]]) -> dict[str, object]:
-    """What ``run()`` returns in a forked child (a JSON report over a pipe), bounded in
-    time; the child never returns into pytest."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report, then leave without running the parent's cleanup
-        code = 0
-        try:
-            os.close(read_end)
-            os.write(write_end, json.dumps(run()).encode())
-        except BaseException:  # noqa: BLE001 - any failure is the child's exit code
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    try:
-        ready, _, _ = select.select([read_end], [], [], PROMPTLY_S)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-        report = b""
-        while ready and (chunk := os.read(read_end, 65536)):
-            report += chunk
-    finally:
-        os.close(read_end)
-        _, status = os.waitpid(pid, 0)
-    assert ready, "the child hung"
-    assert os.waitstatus_to_exitcode(status) == 0
-    result: dict[str, object] = json.loads(report)
-    return result
-
-
 @needs_core
 def test_a_forked_child_gets_slow_from_an_inherited_state_even_one_held_at_the_fork() -> None:
     generator = NativeStateIdGenerator(GeneratorSettings(worker_id=3))
@@ -537,7 +503,7 @@ def test_a_forked_child_gets_slow_from_an_inherited_state_even_one_held_at_the_f
         return report
 
     try:
-        report = _in_a_child(child)
+        report = in_a_child(child)
     finally:
         done.set()
         holder.join(PROMPTLY_S)

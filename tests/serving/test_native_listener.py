@@ -12,10 +12,8 @@ path's.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import select
-import signal
 import socket
 import struct
 import threading
@@ -29,6 +27,7 @@ from snowflake_server import GeneratorSettings
 from snowflake_server._ids.generator import NativeStateIdGenerator
 from snowflake_server._native import native_core
 from snowflake_server._thrift import fastpath
+from tests.support.forking import in_a_child
 from tests.support.waiting import wait_until
 
 core: Any = native_core()
@@ -851,34 +850,3 @@ def test_a_forked_child_cannot_use_its_parents_listener(rig: Rig) -> None:
     for name, said in report.items():
         assert "inherited across a fork" in str(said), (name, said)
     assert rig.listener.write(handle, b"") == (0, False)  # the parent's still works
-
-
-def in_a_child(run: Callable[[], dict[str, object]]) -> dict[str, object]:
-    """What ``run()`` returns in a forked child (JSON over a pipe), bounded in time; the
-    child never returns into pytest."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            os.close(read_end)
-            os.write(write_end, json.dumps(run()).encode())
-        except BaseException:  # noqa: BLE001 - any failure is the child's exit code
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    try:
-        ready, _, _ = select.select([read_end], [], [], PROMPTLY_S)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-        report = b""
-        while ready and (chunk := os.read(read_end, 65536)):
-            report += chunk
-    finally:
-        os.close(read_end)
-        _, status = os.waitpid(pid, 0)
-    assert ready, "the child hung"
-    assert os.waitstatus_to_exitcode(status) == 0
-    result: dict[str, object] = json.loads(report)
-    return result
