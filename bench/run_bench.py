@@ -7,15 +7,21 @@
 Measures, in one interleaved run on 127.0.0.1 only, each step bounded in time:
 
 - ``get_id`` calls/s and p50/p99/p999 latency with 1, 4, 16 and 64 connections on: ours
-  (the working tree's server) with ``--processes 1`` and ``2`` (and with its default
-  process count, when that is neither); the Java and Go anchors, Apache Thrift's
-  ``TThreadPoolServer`` and ``TSimpleServer`` serving Twitter's IdWorker on our IDL
-  (``bench/anchors/``); the floor, a C epoll server answering the fast path's ``get_id``
-  with no Python (``bench/native/floor.c``); and old, the server of ``--baseline-rev``
-  (the last release of the thread-per-connection server), extracted with ``git archive``;
+  (the working tree's server) with its default settings, get_id on native threads
+  (``ours``), the same with ``--native-threads 0``, Python alone (``ours-pure``), and
+  native with the other process count of 1 and 2 (``ours-2p``); the Java and Go anchors,
+  Apache Thrift's ``TThreadPoolServer`` and ``TSimpleServer`` serving Twitter's IdWorker
+  on our IDL (``bench/anchors/``); the floor, a C epoll server answering the fast path's
+  ``get_id`` with no Python (``bench/native/floor.c``); and old, the server of
+  ``--baseline-rev`` (by default the pure-Python server before issue 27's native path),
+  extracted with ``git archive``;
 - the same ``get_id`` loads pinned (16 and 64 connections; 4 too in a full run): each
   server's every thread on one CPU and the load generator on another, so that calls/s
-  is what one core of the server does;
+  is what one core of the server does. Servers that size themselves by the CPUs they
+  may use (ours native, whose ``--native-threads auto`` is one thread per CPU; the
+  floor) are measured pinned as a second server started on that CPU alone;
+- how many native threads ours ran and the share of its get_id calls they answered,
+  from its ``/metrics`` (a run whose native core did not start would measure Python);
 - the servers' CPU time per call, from ``/proc`` over each server's processes during
   the measured period, and the load generator's own, from its ``getrusage``; calls/s and
   CPU per call are also shown as ratios to Java's and to the floor's;
@@ -30,7 +36,7 @@ exit with 1. Each round runs every configuration on every server back to back, i
 order rotated from round to round, so a slow spell of the shared machine is spread over
 all servers. Throughput is the median of the rounds (their range is shown); latency
 percentiles are over every call of every round. The Markdown report and each target
-with PASS or FAIL and its ratio are printed, and written to
+(issue 11's and issue 27's) with PASS or FAIL and its ratio are printed, and written to
 ``bench/results/<time>/results.{md,json}`` with the servers' logs; a full run also
 copies the report to ``bench/results/latest.md``.
 """
@@ -166,6 +172,8 @@ class Contender:
     """Starts a second one on the given CPU alone, for the pinned runs (None: the pinned
     runs move this one's threads there): a server that sizes itself by the CPUs it may
     use (native threads, the floor's threads) then sizes itself for one."""
+    flags: tuple[str, ...] = ()
+    """Ours's command-line flags (and its pinned twin's, but for the worker id)."""
 
 
 @dataclass(frozen=True)
@@ -1003,7 +1011,8 @@ def contenders(
         twin = ("--processes", str(processes), "--worker-id", str(worker + processes), *flags)
         native = "--native-threads" not in flags
         out.append(Contender(name, label, processes, _ours(name, args),
-                             _ours_on(f"{name}-pinned", twin) if native else None))  # fmt: skip
+                             _ours_on(f"{name}-pinned", twin) if native else None,
+                             args))  # fmt: skip
         worker += 2 * processes
 
     default = f"--processes {default_processes}"
