@@ -909,19 +909,20 @@ def pinned_section(meta: dict[str, Any], bench: Bench, plan: Plan) -> list[str]:
 def _twins(meta: dict[str, Any]) -> list[str]:
     """Which servers the pinned runs measured as second ones started on the server's CPU
     (so sized for one CPU), and how many native threads ours then ran."""
-    twins: list[str] = meta.get("pinned_twins") or []
+    twins: dict[str, int] = meta.get("pinned_twins") or {}
     if not twins:
         return []
     native: dict[str, NativeCount] = meta.get("native") or {}
     shown = []
-    for name in twins:
+    for name, processes in twins.items():
         count = native.get(f"{name} pinned")
         if name == FLOOR:
             shown.append(f"{name} (so with one thread)")
         elif count is not None:
             share = f"{count.share or 0:.1%}"
+            each = f", over its {processes} processes" if processes > 1 else ""
             shown.append(f"{name} (`--native-threads auto` ran {count.threads} native "
-                         f"thread(s) there, {share} of its calls native)")  # fmt: skip
+                         f"thread(s) there{each}; {share} of its calls native)")  # fmt: skip
         else:
             shown.append(name)
     return [
@@ -1203,7 +1204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         twin = contender.start_on(work, pinning.server_cpu)
                         twins.callback(twin.stop)
                         bench.pinned_servers[contender.name] = twin
-                    meta["pinned_twins"] = [c.name for c in twinned]
+                    meta["pinned_twins"] = {c.name: c.processes for c in twinned}
                 bench.warm_up()
                 bench.rounds(list(servers), configs, plan.rounds)
                 meta["native"] = native_counts(bench)

@@ -407,7 +407,7 @@ def test_a_whole_run_of_ours_native_and_pure(
     report = json.loads((folder / "results.json").read_text())
     keys = {(run["server"], run["key"]) for run in report["runs"]}
     assert {("ours", "get_id x64 pinned"), ("ours-pure", "get_id x64 pinned")} <= keys
-    assert report["meta"]["pinned_twins"] == ["ours"]
+    assert report["meta"]["pinned_twins"] == {"ours": 1}
     assert (folder / "logs" / "ours-pinned.err").exists()
     native = report["meta"]["native"]
     assert native["ours-pure"]["threads"] == 0 and native["ours-pure"]["native_calls"] == 0
@@ -419,3 +419,19 @@ def test_a_whole_run_of_ours_native_and_pure(
     verdicts = {t["target"]: t["verdict"] for t in report["targets"]}
     # No Java, floor or old in this run: issue 27's ratios are not measured.
     assert verdicts["native: server CPU per get_id call vs java, 16 connections, ours"] == "n/a"
+
+
+def test_the_pinned_table_says_what_ran_on_the_one_cpu() -> None:
+    plan = replace(PLAN, pinned_connections=(16,))
+    native = {"ours pinned": NativeCount(1, 99, 100), "ours-2p pinned": NativeCount(2, 50, 100)}
+    lines = _report(
+        [], plan, pinning="Every thread of the server on CPU 0, the load generator on CPU 1",
+        pinned_twins={"ours": 1, "ours-2p": 2, "floor": 1}, native=native,
+    )  # fmt: skip
+    [line] = [line for line in lines if line.startswith("The pinned runs of ")]
+    auto = "`--native-threads auto` ran"
+    assert f"ours ({auto} 1 native thread(s) there; 99.0% of its calls native)" in line
+    assert f"ours-2p ({auto} 2 native thread(s) there, over its 2 processes; 50.0%" in line
+    assert "floor (so with one thread)" in line
+    native_table = lines[lines.index("## Ours: native threads and what they answered") :]
+    assert "| ours-2p pinned | 2 | 50.0% (50 of 100) |" in native_table
