@@ -1,12 +1,17 @@
 """Fairness under hostile load: one victim's get_id latency while N clients attack (``make bench``).
 
     .venv/bin/python bench/hostile.py                        # the working tree's server
+    .venv/bin/python bench/hostile.py --paths pure           # ... on the pure path only
     .venv/bin/python bench/hostile.py --rev main             # the server of a git revision
     .venv/bin/python bench/hostile.py --compare main         # both, interleaved per kind
     .venv/bin/python bench/hostile.py --kinds plain,wide_list --connections 16 --seconds 2
 
 What one run measures, on 127.0.0.1 against a real server process started here
-(``--processes 1``: fairness is a property of one event loop):
+(``--processes 1``: fairness is a property of one event loop). The working tree's server
+runs on both paths, interleaved per kind: ``tree-native`` (its default, get_id on native
+threads) and ``tree-pure`` (``--native-threads 0``); the TLS kinds on the first only, as
+Python serves TLS on every path. The header says what share of each one's get_id calls
+its native threads answered.
 
 - the victim: one connection calling ``get_id`` over framed Thrift in a closed loop (one
   call in flight), from this process; every latency is kept (p50, p99, max, calls
