@@ -369,8 +369,8 @@ fuzz-native:
 	    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 FUZZ_SECONDS=$(FUZZ_SECONDS) ./fuzz_frame); \
 	fi
 
-# The benchmark harness (about 9 minutes; BENCH_ARGS=--quick for a smoke run of about
-# two): results in bench/results/<time>/ and bench/results/latest.md; then the HTTP/JSON
+# The benchmark harness (about 20 minutes; BENCH_ARGS=--quick for a smoke run of about
+# four): results in bench/results/<time>/ and bench/results/latest.md; then the HTTP/JSON
 # API against Thrift (wrk against the load generator), a victim's latency under hostile
 # clients (bench/hostile.py: bench/results/hostile.md), what a flood of /metrics scrapes
 # costs the id path (bench/admin_scrape.py) and the asyncio client against

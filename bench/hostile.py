@@ -1,12 +1,17 @@
 """Fairness under hostile load: one victim's get_id latency while N clients attack (``make bench``).
 
     .venv/bin/python bench/hostile.py                        # the working tree's server
+    .venv/bin/python bench/hostile.py --paths pure           # ... on the pure path only
     .venv/bin/python bench/hostile.py --rev main             # the server of a git revision
     .venv/bin/python bench/hostile.py --compare main         # both, interleaved per kind
     .venv/bin/python bench/hostile.py --kinds plain,wide_list --connections 16 --seconds 2
 
 What one run measures, on 127.0.0.1 against a real server process started here
-(``--processes 1``: fairness is a property of one event loop):
+(``--processes 1``: fairness is a property of one event loop). The working tree's server
+runs on both paths, interleaved per kind: ``tree-native`` (its default, get_id on native
+threads) and ``tree-pure`` (``--native-threads 0``); the TLS kinds on the first only, as
+Python serves TLS on every path. The header says what share of each one's get_id calls
+its native threads answered.
 
 - the victim: one connection calling ``get_id`` over framed Thrift in a closed loop (one
   call in flight), from this process; every latency is kept (p50, p99, max, calls
@@ -56,7 +61,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -72,8 +77,10 @@ from bench.servers import (
     Server,
     ServerFailed,
     extract_baseline,
+    scrape,
     start_baseline,
     start_ours,
+    total,
 )
 from snowflake_server._app.ready import READY_PREFIX, parse_ready_line
 
@@ -916,14 +923,18 @@ def self_signed_pem(work: Path) -> Path:
 
 @dataclass(frozen=True)
 class Source:
-    """Where a server comes from: the working tree (rev None) or a git revision."""
+    """Where a server comes from: the working tree (rev None) or a git revision; ``args``
+    come after :data:`SERVER_ARGS`. ``tls``: whether the tls kinds run on it too (TLS is
+    served by Python on every path, so once is enough)."""
 
     label: str
     rev: str | None
+    args: tuple[str, ...] = ()
+    tls: bool = True
 
     def start(self, work: Path, tls: bool, worker_id: int) -> Target:
         name = f"{self.label.split('@')[0]}{'-tls' if tls else ''}"
-        args: tuple[str, ...] = (*SERVER_ARGS, "--worker-id", str(worker_id))
+        args = (*SERVER_ARGS, *self.args, "--worker-id", str(worker_id))
         if tls:
             args += ("--tls-cert", str(self_signed_pem(work)))
         logs, state = work / "logs", work / f"state-{name}"
@@ -945,12 +956,33 @@ def running(sources: Sequence[Source], work: Path, tls: bool) -> Iterator[dict[s
         targets: dict[str, Target] = {}
         worker = 1
         for source in sources:
-            for secure in (False, True) if tls else (False,):
+            for secure in (False, True) if tls and source.tls else (False,):
                 target = source.start(work, secure, worker)
                 worker += 1
                 stack.callback(target.server.stop)
                 targets[f"{source.label}{' tls' if secure else ''}"] = target
         yield targets
+
+
+def native_shares(targets: dict[str, Target]) -> str:
+    """Of each plain server's get_id calls (victims' and attackers'), the share its native
+    threads answered, from its ``/metrics``: 0 % on the pure path, and on the native path
+    when its core was not built."""
+    shown = []
+    for name, target in targets.items():
+        if target.tls:
+            continue
+        try:
+            samples = scrape(target.server)
+        except OSError as e:
+            shown.append(f"{name}: metrics unread ({e})")
+            continue
+        calls = total(samples, "snowflake_requests_total", method="get_id", protocol="thrift")
+        native = total(samples, "snowflake_native_calls_total")
+        threads = int(total(samples, "snowflake_native_threads"))
+        share = f"{native / calls:.1%}" if calls else "-"
+        shown.append(f"{name}: {share} of {int(calls):,} ({threads} native threads)")
+    return "; ".join(shown)
 
 
 # -- report ----------------------------------------------------------------------------
@@ -1088,6 +1120,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=(1, 2),
         help="processes the hostile connections are spread over (1)",
     )
+    parser.add_argument(
+        "--paths",
+        type=_paths,
+        default=list(PATHS),
+        help="the working tree's server on these paths, comma-separated: native (its "
+        "default, --native-threads auto), pure (--native-threads 0); default both",
+    )
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--rev", help="measure the server of this git revision, not the tree's")
     which.add_argument(
@@ -1106,19 +1145,38 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+PATHS = {
+    "native": Source("tree-native", None),
+    "pure": Source("tree-pure", None, ("--native-threads", "0")),
+}
+"""The working tree's server on each path the Thrift port's get_id can take."""
+
+
+def _paths(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or not set(names) <= set(PATHS):
+        raise argparse.ArgumentTypeError(f"paths: of {', '.join(PATHS)}")
+    return names
+
+
 def sources_of(args: argparse.Namespace) -> list[Source]:
-    if args.compare:
-        return [Source(f"{args.compare}@{_git('rev-parse', '--short', args.compare)}",
-                       args.compare), Source("tree", None)]  # fmt: skip
+    """The revision's server (--rev), or the working tree's on each of ``--paths``, after
+    the revision's with --compare. TLS kinds run on the first of them only."""
     if args.rev:
         return [Source(f"{args.rev}@{_git('rev-parse', '--short', args.rev)}", args.rev)]
-    return [Source("tree", None)]
+    tree = [replace(PATHS[name], tls=i == 0) for i, name in enumerate(args.paths)]
+    if args.compare:
+        old = Source(f"{args.compare}@{_git('rev-parse', '--short', args.compare)}", args.compare)
+        return [old, *tree]
+    return tree
 
 
 def run(args: argparse.Namespace) -> tuple[list[Result], list[Check], str]:
     """Every kind x N on every source, interleaved per kind; the results, targets, report."""
     plan = Plan(args.seconds, args.warmup, args.hostile_processes)
     kinds = [KINDS[name] for name in args.kinds]
+    sources = sources_of(args)
+    needs_tls = any(k.protocol == "tls" for k in kinds)
     meta: dict[str, Any] = {
         "time": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs "
@@ -1128,17 +1186,26 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[Check], str]:
         "settings": f"{plan.seconds:g} s measured + {plan.warmup_s:g} s warm-up per run; "
         f"{plan.hostile_processes} hostile process(es); server {' '.join(SERVER_ARGS)}",
         "load average before": _load_avg(),
+        "servers": "; ".join(
+            f"{s.label}: {' '.join(s.args) or 'default settings'}"
+            + (
+                ""
+                if s.tls or not needs_tls
+                else " (tls kinds: on the first only, Python serves TLS on every path)"
+            )
+            for s in sources
+        ),
     }
     results: list[Result] = []
     failed = ""
-    sources = sources_of(args)
-    needs_tls = any(k.protocol == "tls" for k in kinds)
     with tempfile.TemporaryDirectory(prefix="snowflake-hostile-") as tmp:
         try:
             with running(sources, Path(tmp), needs_tls) as targets:
                 for kind in kinds:
                     for n in args.connections:
                         for source in sources:
+                            if kind.protocol == "tls" and not source.tls:
+                                continue
                             target = targets[source.label + (" tls" if kind.protocol == "tls"
                                                              else "")]  # fmt: skip
                             result = measure(target, kind, n, plan)
@@ -1149,6 +1216,7 @@ def run(args: argparse.Namespace) -> tuple[list[Result], list[Check], str]:
                                   f"{_f(result.kb_per_s, 0)} KB/s  "
                                   f"{_f(result.cpu_ms_per_kb, 3)} ms/KB  readyz {result.readyz}",
                                   flush=True)  # fmt: skip
+                meta["get_id answered natively"] = native_shares(targets)
         except ServerFailed as e:
             failed = str(e)
             print(f"hostile bench failed: {e}", file=sys.stderr)

@@ -7,15 +7,21 @@
 Measures, in one interleaved run on 127.0.0.1 only, each step bounded in time:
 
 - ``get_id`` calls/s and p50/p99/p999 latency with 1, 4, 16 and 64 connections on: ours
-  (the working tree's server) with ``--processes 1`` and ``2`` (and with its default
-  process count, when that is neither); the Java and Go anchors, Apache Thrift's
-  ``TThreadPoolServer`` and ``TSimpleServer`` serving Twitter's IdWorker on our IDL
-  (``bench/anchors/``); the floor, a C epoll server answering the fast path's ``get_id``
-  with no Python (``bench/native/floor.c``); and old, the server of ``--baseline-rev``
-  (the last release of the thread-per-connection server), extracted with ``git archive``;
+  (the working tree's server) with its default settings, get_id on native threads
+  (``ours``), the same with ``--native-threads 0``, Python alone (``ours-pure``), and
+  native with the other process count of 1 and 2 (``ours-2p``); the Java and Go anchors,
+  Apache Thrift's ``TThreadPoolServer`` and ``TSimpleServer`` serving Twitter's IdWorker
+  on our IDL (``bench/anchors/``); the floor, a C epoll server answering the fast path's
+  ``get_id`` with no Python (``bench/native/floor.c``); and old, the server of
+  ``--baseline-rev`` (by default the pure-Python server before issue 27's native path),
+  extracted with ``git archive``;
 - the same ``get_id`` loads pinned (16 and 64 connections; 4 too in a full run): each
   server's every thread on one CPU and the load generator on another, so that calls/s
-  is what one core of the server does;
+  is what one core of the server does. Servers that size themselves by the CPUs they
+  may use (ours native, whose ``--native-threads auto`` is one thread per CPU; the
+  floor) are measured pinned as a second server started on that CPU alone;
+- how many native threads ours ran and the share of its get_id calls they answered,
+  from its ``/metrics`` (a run whose native core did not start would measure Python);
 - the servers' CPU time per call, from ``/proc`` over each server's processes during
   the measured period, and the load generator's own, from its ``getrusage``; calls/s and
   CPU per call are also shown as ratios to Java's and to the floor's;
@@ -30,7 +36,7 @@ exit with 1. Each round runs every configuration on every server back to back, i
 order rotated from round to round, so a slow spell of the shared machine is spread over
 all servers. Throughput is the median of the rounds (their range is shown); latency
 percentiles are over every call of every round. The Markdown report and each target
-with PASS or FAIL and its ratio are printed, and written to
+(issue 11's and issue 27's) with PASS or FAIL and its ratio are printed, and written to
 ``bench/results/<time>/results.{md,json}`` with the servers' logs; a full run also
 copies the report to ``bench/results/latest.md``.
 """
@@ -67,16 +73,21 @@ from bench.servers import (
     Server,
     ServerFailed,
     extract_baseline,
+    scrape,
     start_baseline,
     start_go_anchor,
     start_java_anchor,
     start_native_floor,
     start_ours,
+    total,
 )
 from tests.support.waiting import wait_until
 
 RESULTS = ROOT / "bench" / "results"
 JAVA, GO, OLD, FLOOR = "java", "go", "old", "floor"
+OURS, PURE = "ours", "ours-pure"
+"""Ours with its default settings (get_id on native threads, ``--native-threads auto``),
+and the same with ``--native-threads 0``: Python serves every call."""
 FLOOR_WORKER_ID = 31  # above those of the others (contenders() counts up from 1)
 GET_ID_ONLY = frozenset({FLOOR})
 """Servers that answer get_id and nothing else: the other configurations skip them."""
@@ -93,6 +104,23 @@ TARGET_SERVER_CPU_US = 16.0  # per get_id call
 TARGET_CLIENT_CPU_US = 16.0  # the load generator's, per get_id call
 TARGET_GET_IDS = 0.99  # of one worker id's 4,096,000 ids/s, get_ids(4096), 1 connection
 LATENCY_CONNECTIONS = 16
+
+# The issue's targets (issue 27): ours native against Java and the floor, ours pure
+# against the server before the native path.
+NATIVE_CONNECTIONS = (16, 64)
+TARGET_NATIVE_CPU_VS_JAVA = 0.9  # server CPU per get_id call, at most
+TARGET_NATIVE_CPU_VS_FLOOR = 1.1
+TARGET_NATIVE_PINNED_VS_JAVA = 1.2  # pinned get_id calls/s, at least
+TARGET_NATIVE_SHARE = 0.9
+"""Of ours's get_id calls, answered by native threads (not a target of the issue: a run
+whose native core is not built or did not start measures Python, and says so here)."""
+PURE_TOLERANCE = 0.05
+"""No regression, within the noise of a shared machine: calls/s at least 0.95 x the
+baseline's, CPU per call at most 1.05 x."""
+RECORDED_PURE = {16: (1.20, 1.05), 64: (1.06, 1.03)}
+"""The pure-Python server before issue 27, as the issue records it on the 2-core machine:
+connections -> (server CPU per call x Java's, pinned calls/s x Java's). The pure targets
+fall back on these ratios when old (the server of --baseline-rev) is not measured."""
 
 
 class BenchError(RuntimeError):
@@ -140,6 +168,12 @@ class Contender:
     processes: int
     start: Callable[[Path], Server]
     """Starts it, given the run's work folder."""
+    start_on: Callable[[Path, int], Server] | None = None
+    """Starts a second one on the given CPU alone, for the pinned runs (None: the pinned
+    runs move this one's threads there): a server that sizes itself by the CPUs it may
+    use (native threads, the floor's threads) then sizes itself for one."""
+    flags: tuple[str, ...] = ()
+    """Ours's command-line flags (and its pinned twin's, but for the worker id)."""
 
 
 @dataclass(frozen=True)
@@ -386,6 +420,8 @@ class Bench:
         print(f"warm-up, {warm.seconds:g} s a server (not counted)", flush=True)
         for name in self.servers:
             self.measure(name, Config("get_id", 4), 0, plan=warm)
+        for name in self.pinned_servers:  # started for the pinned runs: warmed there
+            self.measure(name, Config("get_id", 4, pinned=True), 0, plan=warm)
 
     def rounds(self, names: Sequence[str], configs: Sequence[Config], rounds: int) -> None:
         for round_ in range(1, rounds + 1):
@@ -418,6 +454,53 @@ def settle(server: Server, files_before: int) -> None:
         )
     except AssertionError as e:
         print(f"  note: {e}", flush=True)
+
+
+@dataclass(frozen=True)
+class NativeCount:
+    """What a server's native threads did over the whole run, from its ``/metrics``."""
+
+    threads: int
+    """``snowflake_native_threads``, over its processes (0: Python serves every call)."""
+    native_calls: int
+    get_id_calls: int
+    """Answered on the Thrift port, natively or not."""
+
+    @property
+    def share(self) -> float | None:
+        return self.native_calls / self.get_id_calls if self.get_id_calls else None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"share": self.share}
+
+    def text(self) -> str:
+        share = self.share
+        shown = "-" if share is None else f"{share:.1%}"
+        return f"{shown} ({self.native_calls:,} of {self.get_id_calls:,})"
+
+
+def native_counts(bench: Bench) -> dict[str, NativeCount]:
+    """Ours's native threads and the get_id calls they answered (warm-up included), for
+    each of ours running and each started for the pinned runs (``NAME pinned``). A
+    server whose metrics cannot be read is left out, with a note."""
+    out: dict[str, NativeCount] = {}
+    named = [*bench.servers.items(), *((f"{n} pinned", s) for n, s in bench.pinned_servers.items())]
+    for name, server in named:
+        if not name.startswith("ours"):
+            continue
+        try:
+            samples = scrape(server)
+        except OSError as e:
+            print(f"  note: {name}'s metrics could not be read: {e}", flush=True)
+            continue
+        get_id = total(samples, "snowflake_requests_total", method="get_id", outcome="ok",
+                       protocol="thrift")  # fmt: skip
+        out[name] = NativeCount(
+            int(total(samples, "snowflake_native_threads")),
+            int(total(samples, "snowflake_native_calls_total")),
+            int(get_id),
+        )
+    return out
 
 
 # -- summaries and targets -------------------------------------------------------------
@@ -532,12 +615,21 @@ def _same(value: float) -> float:
     return value
 
 
-def checks(bench: Bench, plan: Plan, default: str, one: str) -> list[Check]:
-    """The issue's targets: ``default`` is ours with its default settings, ``one`` ours
-    with one process (the same server when the default is one process). Throughput
-    ratios are ours / Java; the others measured / goal."""
+def checks(
+    bench: Bench,
+    plan: Plan,
+    default: str,
+    one: str,
+    native: dict[str, NativeCount] | None = None,
+    *,
+    processes: int = 1,
+) -> list[Check]:
+    """The issues' targets: ``default`` is ours with its default settings (``processes``
+    of them), ``one`` ours with one process (the same server when the default is one
+    process); ``native``, what ours's native threads answered. Throughput ratios are
+    ours / Java; the others measured / goal. Issue 11's first, then issue 27's
+    (:func:`native_checks`)."""
     out: list[Check] = []
-    processes = default.removeprefix("ours-").removesuffix("p")
     for n in TARGET_CONNECTIONS:
         rows = summaries(bench, Config("get_id", n))
         java = rows[JAVA].median if JAVA in rows else 0.0
@@ -569,7 +661,83 @@ def checks(bench: Bench, plan: Plan, default: str, one: str) -> list[Check]:
     share = batch.median / DEFAULT_WORKER_LIMIT if batch else None
     out.append(_check(target, share, TARGET_GET_IDS, _share, ratio=_same))
     out.append(client_cpu_check(bench, plan))
+    return out + native_checks(bench, native or {})
+
+
+def native_checks(bench: Bench, native: dict[str, NativeCount]) -> list[Check]:
+    """Issue 27's targets: ours (native) against Java and the floor at 16 and 64
+    connections, pinned and not; ours-pure against old (the server of --baseline-rev, in
+    the same rounds) or, when old did not run, against the ratios to Java the issue
+    recorded; and whether ours's calls were answered natively at all."""
+    out: list[Check] = []
+    for name in (OURS, f"{OURS} pinned"):
+        count = native.get(name)
+        target = f"get_id calls answered by native threads, {name} (that native served)"
+        if name in native or name == OURS:
+            out.append(_check(target, count.share if count else None, TARGET_NATIVE_SHARE,
+                              _share, ratio=_same))  # fmt: skip
+    for n in NATIVE_CONNECTIONS:
+        rows = summaries(bench, Config("get_id", n))
+        pinned = summaries(bench, Config("get_id", n, pinned=True))
+        ours = rows.get(OURS)
+        for base, goal in ((JAVA, TARGET_NATIVE_CPU_VS_JAVA), (FLOOR, TARGET_NATIVE_CPU_VS_FLOOR)):
+            target = f"native: server CPU per get_id call vs {base}, {n} connections, ours"
+            ratio = _cpu_ratio(ours, rows.get(base))
+            out.append(_check(target, ratio, goal, _times, at_most=True, ratio=_same))
+        target = f"native: pinned get_id calls/s vs java, {n} connections, ours"
+        ratio = _rate_ratio(pinned.get(OURS), pinned.get(JAVA))
+        out.append(_check(target, ratio, TARGET_NATIVE_PINNED_VS_JAVA, _times, ratio=_same))
+    return out + pure_checks(bench)
+
+
+def pure_checks(bench: Bench) -> list[Check]:
+    """ours-pure: no regression, at 16 and 64 connections. Against old in the same rounds
+    when it ran (calls/s, CPU per call, pinned calls/s); otherwise against the ratios to
+    Java the issue recorded for the server before it (CPU per call, pinned calls/s)."""
+    out: list[Check] = []
+    low, high = 1 - PURE_TOLERANCE, 1 + PURE_TOLERANCE
+    measured_old = any(run.server == OLD for run in bench.runs)
+    for n in NATIVE_CONNECTIONS:
+        rows = summaries(bench, Config("get_id", n))
+        pinned = summaries(bench, Config("get_id", n, pinned=True))
+        pure = rows.get(PURE)
+        if measured_old:
+            where = f"{n} connections, ours-pure vs old (same rounds)"
+            out += [
+                _check(f"pure: get_id calls/s, {where}", _rate_ratio(pure, rows.get(OLD)),
+                       low, _times, ratio=_same),
+                _check(f"pure: server CPU per get_id call, {where}",
+                       _cpu_ratio(pure, rows.get(OLD)), high, _times, at_most=True,
+                       ratio=_same),
+                _check(f"pure: pinned get_id calls/s, {where}",
+                       _rate_ratio(pinned.get(PURE), pinned.get(OLD)), low, _times,
+                       ratio=_same),
+            ]  # fmt: skip
+            continue
+        cpu_before, pinned_before = RECORDED_PURE[n]
+        where = f"{n} connections, ours-pure vs java, against the issue's record"
+        out += [
+            _check(f"pure: server CPU per get_id call {where} ({cpu_before:.2f} x)",
+                   _cpu_ratio(pure, rows.get(JAVA)), cpu_before * high, _times,
+                   at_most=True, ratio=_over(cpu_before)),
+            _check(f"pure: pinned get_id calls/s {where} ({pinned_before:.2f} x)",
+                   _rate_ratio(pinned.get(PURE), pinned.get(JAVA)), pinned_before * low,
+                   _times, ratio=_over(pinned_before)),
+        ]  # fmt: skip
     return out
+
+
+def _over(base: float) -> Callable[[float], float]:
+    return lambda value: value / base
+
+
+def _rate_ratio(row: Summary | None, base: Summary | None) -> float | None:
+    return row.median / base.median if row and base and base.median else None
+
+
+def _cpu_ratio(row: Summary | None, base: Summary | None) -> float | None:
+    mine, theirs = (row.server_cpu_us if row else None), (base.server_cpu_us if base else None)
+    return mine / theirs if mine is not None and theirs else None
 
 
 def client_cpu_check(bench: Bench, plan: Plan) -> Check:
@@ -638,6 +806,7 @@ def markdown(
                 f"| {_cpu_vs(row, rows, FLOOR)} | {row.client_cpu_us:.1f} |"
             )
     lines += pinned_section(meta, bench, plan)
+    lines += native_section(meta)
     lines += [
         "",
         f"## get_ids({plan.batch})",
@@ -720,6 +889,7 @@ def pinned_section(meta: dict[str, Any], bench: Bench, plan: Plan) -> list[str]:
         return [*lines, f"Not measured: {meta.get('pinned_note') or 'not asked for'}."]
     lines += [
         f"{meta['pinning']}. Calls/s is then what one core of the server does; ratios as above.",
+        *_twins(meta),
         "",
         "| connections | server | calls/s (median) | rounds | vs java | vs floor "
         "| p50 / p99 / p999 µs | server CPU µs/call | CPU vs java | CPU vs floor |",
@@ -734,6 +904,52 @@ def pinned_section(meta: dict[str, Any], bench: Bench, plan: Plan) -> list[str]:
                 f"| {_cpu_vs(row, rows, JAVA)} | {_cpu_vs(row, rows, FLOOR)} |"
             )
     return lines
+
+
+def _twins(meta: dict[str, Any]) -> list[str]:
+    """Which servers the pinned runs measured as second ones started on the server's CPU
+    (so sized for one CPU), and how many native threads ours then ran."""
+    twins: dict[str, int] = meta.get("pinned_twins") or {}
+    if not twins:
+        return []
+    native: dict[str, NativeCount] = meta.get("native") or {}
+    shown = []
+    for name, processes in twins.items():
+        count = native.get(f"{name} pinned")
+        if name == FLOOR:
+            shown.append(f"{name} (so with one thread)")
+        elif count is not None:
+            share = f"{count.share or 0:.1%}"
+            each = f", over its {processes} processes" if processes > 1 else ""
+            shown.append(f"{name} (`--native-threads auto` ran {count.threads} native "
+                         f"thread(s) there{each}; {share} of its calls native)")  # fmt: skip
+        else:
+            shown.append(name)
+    return [
+        "",
+        "The pinned runs of " + ", ".join(shown) + " went to a second server of each, started "
+        "on that CPU alone; the others' threads were moved there for each run.",
+    ]
+
+
+def native_section(meta: dict[str, Any]) -> list[str]:
+    """Ours's native threads, and the share of its get_id calls they answered."""
+    native: dict[str, NativeCount] = meta.get("native") or {}
+    if not native:
+        return []
+    return [
+        "",
+        "## Ours: native threads and what they answered",
+        "",
+        "From each server's `/metrics` at the end of the rounds (warm-up included): "
+        "`snowflake_native_threads`, and `snowflake_native_calls_total` of the get_id calls "
+        "answered on the Thrift port (`snowflake_requests_total`). A user agent's first call "
+        "goes to Python, which registers it for the native threads.",
+        "",
+        "| server | native threads | get_id calls answered natively |",
+        "|---|--:|--:|",
+        *(f"| {name} | {count.threads} | {count.text()} |" for name, count in native.items()),
+    ]
 
 
 def _percentiles(row: Summary) -> str:
@@ -781,16 +997,36 @@ def ours_defaults() -> tuple[int, int]:
 def contenders(
     plan: Plan, selected: set[str], baseline_rev: str, build: Path, default_processes: int
 ) -> list[Contender]:
-    """What the run measures, in the order of the tables; worker ids all differ."""
-    counts = sorted({1, 2, default_processes})
+    """What the run measures, in the order of the tables; worker ids all differ (a pinned
+    twin's too: the host lock refuses a second server of the same worker id).
+
+    Ours runs as ``ours`` (its default settings: get_id on native threads), as
+    ``ours-pure`` (the same with ``--native-threads 0``: Python alone) and with the other
+    process count of 1 and 2 (``ours-1p`` or ``ours-2p``, native)."""
     out = []
     worker = 1
-    for n in counts:
+
+    def ours(name: str, processes: int, label: str, *flags: str) -> None:
+        nonlocal worker
+        args = ("--processes", str(processes), "--worker-id", str(worker), *flags)
+        twin = ("--processes", str(processes), "--worker-id", str(worker + processes), *flags)
+        native = "--native-threads" not in flags
+        out.append(Contender(name, label, processes, _ours(name, args),
+                             _ours_on(f"{name}-pinned", twin) if native else None,
+                             args))  # fmt: skip
+        worker += 2 * processes
+
+    default = f"--processes {default_processes}"
+    if OURS in selected or f"ours-{default_processes}p" in selected:
+        ours(OURS, default_processes,
+             f"ours, native: {default}, --native-threads auto (the default)")  # fmt: skip
+    if PURE in selected:
+        ours(PURE, default_processes, f"ours, pure Python: {default}, --native-threads 0",
+             "--native-threads", "0")  # fmt: skip
+    for n in (1, 2):
         name = f"ours-{n}p"
-        if name in selected or (n == default_processes and "ours" in selected):
-            args = ("--processes", str(n), "--worker-id", str(worker))
-            out.append(Contender(name, f"ours, --processes {n}", n, _ours(name, args)))
-        worker += n
+        if n != default_processes and name in selected:
+            ours(name, n, f"ours, native: --processes {n}")
     if JAVA in selected:
         out.append(Contender(JAVA, "Java anchor: TThreadPoolServer, Twitter's IdWorker", 1,
                              _anchor(start_java_anchor, JAVA, build, worker)))  # fmt: skip
@@ -798,17 +1034,25 @@ def contenders(
         out.append(Contender(GO, "Go anchor: TSimpleServer, Twitter's IdWorker", 1,
                              _anchor(start_go_anchor, GO, build, worker + 1)))  # fmt: skip
     if OLD in selected:
-        out.append(Contender(OLD, f"the threaded server of {baseline_rev} (before)", 1,
-                             _old(baseline_rev, worker + 2)))  # fmt: skip
+        label = f"the server of {baseline_rev} (the before{_before(baseline_rev)})"
+        out.append(Contender(OLD, label, 1, _old(baseline_rev, worker + 2)))
     if FLOOR in selected:
         label = "the floor: a C epoll server answering get_id, no Python"
         start = _anchor(start_native_floor, FLOOR, build, FLOOR_WORKER_ID)
-        out.append(Contender(FLOOR, label, 1, start))
+        out.append(Contender(FLOOR, label, 1, start, _floor_on(build)))
     return out
+
+
+def _before(rev: str) -> str:
+    return ": pure Python, before issue 27's native path" if rev == BASELINE_REV else ""
 
 
 def _ours(name: str, args: tuple[str, ...]) -> Callable[[Path], Server]:
     return lambda work: start_ours(name, work / "logs", work / f"state-{name}", *args)
+
+
+def _ours_on(name: str, args: tuple[str, ...]) -> Callable[[Path, int], Server]:
+    return lambda work, cpu: start_ours(name, work / "logs", work / f"state-{name}", *args, cpu=cpu)
 
 
 def _anchor(
@@ -817,13 +1061,12 @@ def _anchor(
     return lambda work: start(name, work / "logs", build, worker)
 
 
-def start_pinned_floor(work: Path, build: Path, pinning: Pinning) -> Server:
-    """A floor started on the server's CPU, so with one thread: two threads sharing one
-    CPU would switch between them, a cost no one-core server needs to pay. Its worker id
-    is the floor's: the two never serve the same load generator."""
-    print(f"  starting {FLOOR} on CPU {pinning.server_cpu}, for the pinned runs", flush=True)
-    return start_native_floor(
-        f"{FLOOR}-pinned", work / "logs", build, FLOOR_WORKER_ID, cpu=pinning.server_cpu
+def _floor_on(build: Path) -> Callable[[Path, int], Server]:
+    """A floor started on one CPU, so with one thread: two threads sharing one CPU would
+    switch between them, a cost no one-core server needs to pay. Its worker id is the
+    floor's: the two never serve the same load generator (and the floor takes no lock)."""
+    return lambda work, cpu: start_native_floor(
+        f"{FLOOR}-pinned", work / "logs", build, FLOOR_WORKER_ID, cpu=cpu
     )
 
 
@@ -850,7 +1093,9 @@ def running(contenders_: Sequence[Contender], work: Path) -> Iterator[dict[str, 
         yield servers
 
 
-SERVER_NAMES = ("ours-1p", "ours-2p", JAVA, GO, FLOOR, OLD)
+SERVER_NAMES = (OURS, PURE, "ours-2p", JAVA, GO, FLOOR, OLD)
+OURS_NAMES = (OURS, PURE, "ours-1p", "ours-2p")
+"""ours-1p or ours-2p, whichever is the default process count, is ours."""
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -865,8 +1110,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--servers",
         default=",".join(SERVER_NAMES),
-        help=f"comma-separated, of {', '.join(SERVER_NAMES)} (default: all; 'ours' is ours "
-        "with its default process count)",
+        help=f"comma-separated, of {', '.join(SERVER_NAMES)}, ours-1p (default: all; 'ours' "
+        "is ours with its default settings, native; ours-pure the same with "
+        "--native-threads 0; ours-1p and ours-2p native with that process count, the "
+        "default's being ours)",
     )
     parser.add_argument(
         "--baseline-rev", default=BASELINE_REV, help=f"commit of old (default {BASELINE_REV})"
@@ -875,7 +1122,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     args = parser.parse_args(argv)
     args.selected = {s.strip() for s in args.servers.split(",") if s.strip()}
-    unknown = args.selected - {*SERVER_NAMES, "ours"}
+    unknown = args.selected - {*SERVER_NAMES, *OURS_NAMES}
     if unknown or not args.selected:
         parser.error(f"--servers: unknown {', '.join(sorted(unknown)) or 'empty list'}")
     if args.seconds is not None and not 0.05 <= args.seconds <= 600:
@@ -902,9 +1149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not loadgen.exists():
         print(f"{loadgen} is missing: build it with `make bench-build`", file=sys.stderr)
         return 1
-    ours_selected = bool(args.selected & {"ours", "ours-1p", "ours-2p"})
+    ours_selected = bool(args.selected & set(OURS_NAMES))
     default_processes, default_max_connections = ours_defaults() if ours_selected else (1, 0)
-    default, one = f"ours-{default_processes}p", "ours-1p"
+    default, one = OURS, OURS if default_processes == 1 else "ours-1p"
     idle_note = raise_file_limit(plan.connections_needed) if plan.idle else "skipped"
     pinning = Pinning.of_this_process() if plan.pinned_connections else None
     if plan.pinned_connections and pinning is None:
@@ -929,19 +1176,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "idle_note": idle_note,
         "pinning": pinning
         and f"Every thread of the server on CPU {pinning.server_cpu}, the load generator on "
-        f"CPU {pinning.load_cpu}"
-        + (
-            "; the floor is one started on that CPU, so with one thread"
-            if FLOOR in args.selected
-            else ""
-        ),
+        f"CPU {pinning.load_cpu}",
         "pinned_note": "" if pinning or args.no_pinned else "this process may run on one CPU",
     }
     print(f"results: {out_dir}", flush=True)
     specs = contenders(plan, args.selected, args.baseline_rev, args.build, default_processes)
     labels = {c.name: c.label for c in specs}
-    if default in labels:
-        labels[default] += " (the default)"
     spread = {c.name: c.processes for c in specs}
     configs = [
         *(Config("get_id", n) for n in plan.connections),
@@ -955,12 +1195,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             with running(specs, work) as servers, ExitStack() as twins:
                 bench.servers = servers
-                if pinning and plan.pinned_connections and FLOOR in servers:
-                    floor = start_pinned_floor(work, args.build, pinning)
-                    twins.callback(floor.stop)
-                    bench.pinned_servers[FLOOR] = floor
+                if pinning and plan.pinned_connections:
+                    twinned = [c for c in specs if c.start_on is not None]
+                    for contender in twinned:
+                        print(f"  starting {contender.name} on CPU {pinning.server_cpu}, "
+                              "for the pinned runs", flush=True)  # fmt: skip
+                        assert contender.start_on is not None
+                        twin = contender.start_on(work, pinning.server_cpu)
+                        twins.callback(twin.stop)
+                        bench.pinned_servers[contender.name] = twin
+                    meta["pinned_twins"] = {c.name: c.processes for c in twinned}
                 bench.warm_up()
                 bench.rounds(list(servers), configs, plan.rounds)
+                meta["native"] = native_counts(bench)
                 if not idle_note:
                     meta["idle_server"] = idle_phase(
                         bench, plan, work, spread.get(default, 0), default,
@@ -976,13 +1223,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     meta["load_after"] = _load_avg()
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
-    results = checks(bench, plan, default, one)
+    results = checks(bench, plan, default, one, meta.get("native", {}), processes=default_processes)
     text = markdown(meta, bench, plan, labels, results)
     if failed:
         text += f"\n**The run stopped early:** {failed}\n"
     (out_dir / "results.md").write_text(text)
     report = {
-        "meta": meta,
+        "meta": meta | {"native": {k: v.to_json() for k, v in meta.get("native", {}).items()}},
         "plan": asdict(plan),
         "servers": labels,
         "targets": [asdict(c) | {"verdict": c.verdict} for c in results],

@@ -30,11 +30,12 @@ import sys
 import tarfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from snowflake_server._app.ready import READY_PREFIX
+from snowflake_server._app.ready import READY_PREFIX, parse_ready_line
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "bench" / "build"
@@ -42,8 +43,10 @@ FLOOR_SCRIPT = ROOT / "bench" / "floor_server.py"
 FLOOR_READY = "floor-server ready"
 ANCHOR_READY = "anchor ready"
 NATIVE_FLOOR_READY = "native-floor ready"
-BASELINE_REV = "ec6aa28"
-"""The last commit of the thread-per-connection server, before the event-loop one."""
+BASELINE_REV = "300eb03"
+"""The last commit of the pure-Python event-loop server before issue 27's native path: the
+before that ours-pure must not fall behind. (``ec6aa28`` is the last thread-per-connection
+server, issue 11's before.)"""
 JAVA_LIBS = ("/usr/share/java/thrift.jar", "/usr/share/java/slf4j-nop.jar")
 HOST_LOCK_SCOPE = f"bench-{os.getpid()}"
 """The host-wide worker locks of this process's servers: never those of a server that
@@ -219,11 +222,55 @@ def _snowflake_command(state_dir: Path, args: tuple[str, ...]) -> list[str]:
     ]  # fmt: skip
 
 
-def start_ours(name: str, log_dir: Path, state_dir: Path, *args: str) -> Server:
+def start_ours(
+    name: str, log_dir: Path, state_dir: Path, *args: str, cpu: int | None = None
+) -> Server:
     """``snowflake-server`` of the working tree on free loopback ports, with a fresh state
     folder, no first-start wait and this process's host lock scope; ``args`` come last
-    and so win."""
-    return launch(name, _snowflake_command(state_dir, args), READY_PREFIX, log_dir)
+    and so win. Started on CPU ``cpu`` alone, if given (``taskset``): what it sizes by the
+    CPUs it may use (``--native-threads auto``) it sizes for that one."""
+    command = _snowflake_command(state_dir, args)
+    if cpu is not None:
+        command = ["taskset", "--cpu-list", str(cpu), *command]
+    return launch(name, command, READY_PREFIX, log_dir)
+
+
+def metrics_address(server: Server) -> tuple[str, int]:
+    """The admin endpoint of a snowflake server, from the ready line in its stdout log."""
+    out = (server.log_dir / f"{server.name}.out").read_text(errors="replace")
+    for line in out.splitlines():
+        ready = parse_ready_line(line)
+        if ready is not None:
+            return ready.metrics
+    raise ServerFailed(f"no {READY_PREFIX!r} line in {server.name}'s output")
+
+
+Sample = tuple[str, dict[str, str], float]
+"""A Prometheus sample: its name (``snowflake_native_calls_total``), labels and value."""
+
+
+def scrape(server: Server, timeout_s: float = 10.0) -> list[Sample]:
+    """Every sample of the server's ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    host, port = metrics_address(server)
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as answer:
+        text = answer.read().decode()
+    return [
+        (sample.name, dict(sample.labels), sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    ]
+
+
+def total(samples: list[Sample], name: str, **labels: str) -> float:
+    """The sum of the samples called ``name`` whose labels include ``labels`` (over every
+    process of a multi-process server, each labelled with its own)."""
+    return sum(
+        value
+        for sample, have, value in samples
+        if sample == name and all(have.get(k) == v for k, v in labels.items())
+    )
 
 
 def extract_baseline(rev: str, dest: Path) -> Path:

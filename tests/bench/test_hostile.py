@@ -18,6 +18,7 @@ from bench import hostile
 from bench.hostile import KINDS, Kind, Plan, Result, Source, Target, checks, measure
 from bench.loadgen import Histogram
 from bench.servers import start_ours
+from snowflake_server._native import native_core
 from snowflake_server._thrift.scanner import MAX_DEPTH, MAX_VALUES
 from tests.support.endpoints import BytesReader
 
@@ -158,6 +159,7 @@ def test_the_targets_pass_and_fail() -> None:
 
 
 def test_compare_runs_both_servers_interleaved(tmp_path: Path) -> None:
+    """The revision's server, then the working tree's on each path, per kind."""
     out = tmp_path / "hostile.md"
     args = ["--compare", "HEAD", "--kinds", "plain,wide_list", "--connections", "2",
             "--seconds", "0.2", "--warmup", "0", "--out", str(out)]  # fmt: skip
@@ -165,7 +167,36 @@ def test_compare_runs_both_servers_interleaved(tmp_path: Path) -> None:
     rows = [line.split(" | ")[:3] for line in out.read_text().splitlines() if line.startswith("| ")]
     labels = [row[2] for row in rows[1:]]
     old = labels[0]
-    assert old.startswith("HEAD@") and labels == [old, "tree", old, "tree"]
-    assert [row[0] for row in rows[1:]] == ["| plain"] * 2 + ["| wide_list"] * 2
+    assert old.startswith("HEAD@") and labels == [old, "tree-native", "tree-pure"] * 2
+    assert [row[0] for row in rows[1:]] == ["| plain"] * 3 + ["| wide_list"] * 3
     runs = json.loads(out.with_suffix(".json").read_text())
-    assert len(runs) == 4 and all(run["victim_calls"] > 0 for run in runs)
+    assert len(runs) == 6 and all(run["victim_calls"] > 0 for run in runs)
+    [line] = [line for line in out.read_text().splitlines() if "answered natively" in line]
+    assert "tree-pure: 0.0% of " in line and "(0 native threads)" in line
+    if native_core() is not None:  # the victim's calls at least, after its first
+        native = line.split("tree-native: ")[1].split("%")[0]
+        assert float(native) > 0, line
+
+
+def test_the_tree_runs_on_both_paths_tls_on_the_first_only() -> None:
+    sources = hostile.sources_of(hostile.parse_args([]))
+    assert [(s.label, s.args, s.tls) for s in sources] == [
+        ("tree-native", (), True),
+        ("tree-pure", ("--native-threads", "0"), False),
+    ]
+    [pure] = hostile.sources_of(hostile.parse_args(["--paths", "pure"]))
+    assert pure.label == "tree-pure" and pure.tls, "alone, it runs the tls kinds itself"
+    [rev] = hostile.sources_of(hostile.parse_args(["--rev", "HEAD"]))
+    assert rev.args == () and rev.label.startswith("HEAD@"), "an old revision: as it is"
+    with pytest.raises(SystemExit):
+        hostile.parse_args(["--paths", "turbo"])
+
+
+def test_a_tls_kind_runs_once_however_many_paths(tmp_path: Path) -> None:
+    out = tmp_path / "hostile.md"
+    args = ["--kinds", "tls_handshake", "--connections", "2", "--seconds", "0.2",
+            "--warmup", "0", "--out", str(out)]  # fmt: skip
+    assert hostile.main(args) == 0
+    runs = json.loads(out.with_suffix(".json").read_text())
+    assert [run["label"] for run in runs] == ["tree-native"]
+    assert "tls kinds: on the first only" in out.read_text()
