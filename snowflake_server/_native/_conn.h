@@ -589,17 +589,32 @@ sf_cmd_write(sf_listener *l, sf_conn *c, const uint8_t *data, size_t len, int *p
 }
 
 static int
-sf_cmd_grant(sf_listener *l, sf_conn *c, uint64_t consumed)
+sf_cmd_grant(sf_listener *l, sf_conn *c, uint64_t consumed, const uint8_t *prefix, size_t n)
 {
     if (consumed > c->consumed) {
         c->consumed = consumed;
     }
+    /* prefix: the start of a frame Python received and cannot answer yet (a client whose
+     * writes end mid-frame): native keeps it as the lease's partial frame, if it could
+     * lead to a frame native serves; its bytes, given back, are forwarded again. */
+    if (n) {
+        sf_frame m;
+        if (c->leased || n > SF_NATIVE_MAX_FRAME ||
+            sf_scan_prefix(prefix, n, l->limit, &m) != SF_NEED_MORE) {
+            return 0;
+        }
+    }
     if (!c->leased && c->fd >= 0 && !c->closing && !c->lost && !c->eof &&
         consumed == c->forwarded && c->in_len == 0) {
         c->leased = 1;
+        if (n) {
+            memcpy(c->in, prefix, n);
+            c->in_len = n;
+        }
         sf_conn_update(l, c);
+        return 1;
     }
-    return c->leased && consumed == c->forwarded;
+    return c->leased && consumed == c->forwarded && n == 0;
 }
 
 static void

@@ -1229,19 +1229,29 @@ static PyObject *
 Listener_grant(Listener *self, PyObject *const *args, Py_ssize_t nargs)
 {
     uint64_t consumed;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "grant(handle, consumed)");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "grant(handle, consumed, prefix=b'')");
         return NULL;
     }
     if (u64_arg(args[1], &consumed) < 0) {
         return NULL;
     }
+    Py_buffer b = {0};
+    if (nargs == 3 && PyObject_GetBuffer(args[2], &b, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
     sf_conn *c = listener_conn(self, args[0]);
     if (c == NULL) {
+        if (nargs == 3) {
+            PyBuffer_Release(&b);
+        }
         return PyErr_Occurred() ? NULL : Py_NewRef(Py_False);
     }
-    int granted = sf_cmd_grant(self->l, c, consumed);
+    int granted = sf_cmd_grant(self->l, c, consumed, b.buf, nargs == 3 ? (size_t)b.len : 0);
     pthread_mutex_unlock(&c->mu);
+    if (nargs == 3) {
+        PyBuffer_Release(&b);
+    }
     return PyBool_FromLong(granted);
 }
 
@@ -1557,7 +1567,9 @@ static PyMethodDef Listener_methods[] = {
     {"write", FASTCALL(Listener_write),
      "write(handle, data): (unsent bytes in out, became_paused)."},
     {"grant", FASTCALL(Listener_grant),
-     "grant(handle, consumed): the lease, iff consumed == forwarded, not closing, in empty."},
+     "grant(handle, consumed, prefix=b''): the lease, iff consumed == forwarded, not closing, "
+     "in empty; prefix: a frame's start Python holds, kept natively if it can lead to one "
+     "native serves (else no lease)."},
     {"consume", FASTCALL(Listener_consume), "consume(handle, consumed): Python took these."},
     {"reading", FASTCALL(Listener_reading), "reading(handle, on): want reads or not."},
     {"revoke", (PyCFunction)Listener_revoke, METH_O,

@@ -484,11 +484,15 @@ class Connection(asyncio.Protocol):
     # -- deadlines ----------------------------------------------------------------
 
     def _update_fast(self) -> None:
-        self._fast = (
+        self._fast = not self._buf and self._fast_if_unbuffered()
+
+    def _fast_if_unbuffered(self) -> bool:
+        """The protocol's fast path would apply now, but for the bytes buffered."""
+        return (
             self._fast_reply is not None
             and self._held is None
             and self._backoff is None
-            and not (self._buf or self._inbox or self._busy or self._closing or self._draining)
+            and not (self._inbox or self._busy or self._closing or self._draining)
             and not self._waiting
             and self.credit > 0
             and self._writable

@@ -66,7 +66,7 @@ class NativeMachine(Protocol):
 
     def write(self, handle: int, data: bytes, /) -> tuple[int, bool]: ...
 
-    def grant(self, handle: int, consumed: int, /) -> bool: ...
+    def grant(self, handle: int, consumed: int, prefix: bytes = b"", /) -> bool: ...
 
     def revoke(self, handle: int, /) -> None: ...
 
@@ -226,9 +226,13 @@ class NativeTransport(asyncio.Transport):
 
     # -- the lease and what the deadlines see -------------------------------------------
 
-    def grant(self, consumed: int) -> bool:
+    def grant(self, consumed: int, prefix: bytes = b"") -> bool:
         """Let native answer this connection's frames; it takes the lease only if every
-        byte it forwarded reached the protocol (``consumed``) and it holds none."""
+        byte it forwarded reached the protocol (``consumed``) and it holds none. ``prefix``:
+        the start of a frame the protocol holds, for native to keep as the lease's partial
+        frame (refused, no lease, unless it can lead to a frame native serves)."""
+        if prefix:
+            return self._native.grant(self._handle, consumed, prefix)
         return self._native.grant(self._handle, consumed)
 
     def revoke(self) -> None:
@@ -355,6 +359,8 @@ class NativeConnection(Connection):
         self._eligible = False  # the protocol lets native serve (framed Thrift, not reserved)
         self._granted = False  # the lease was granted and no byte has come back since
         self._consumed = 0  # bytes received from the transport, in all
+        self._need_more = False  # what the protocol buffers is a request's start only
+        self._max_prefix = 0  # the most of one that native would keep (its frame size)
 
     @property
     def native_transport(self) -> NativeTransport | None:
@@ -388,13 +394,32 @@ class NativeConnection(Connection):
         super()._update_fast()
         self._update_lease()
 
+    def keeps_prefixes(self, max_frame: int) -> None:
+        """Hand native the start of a frame with the lease, up to ``max_frame`` bytes (its
+        largest frame; 0: never)."""
+        self._max_prefix = max_frame
+
+    def _after_serving(self, need_more: bool) -> None:
+        self._need_more = need_more  # what is buffered is the start of a request, no more
+        super()._after_serving(need_more)
+
     def _update_lease(self) -> None:
         native = self._native
         if native is None:
             return
-        if self._fast and self._eligible:
-            if not self._granted:
+        buf = self._buf
+        if self._eligible and (
+            self._fast or (buf and self._need_more and self._fast_if_unbuffered())
+        ):
+            if self._granted:
+                return
+            if not buf:
                 self._granted = native.grant(self._consumed)
+            elif len(buf) <= self._max_prefix and native.grant(self._consumed, bytes(buf)):
+                # A client whose writes end mid-frame (pipelining): the frame's start goes
+                # to native with the lease, or no read would ever leave Python's buffer empty.
+                buf.clear()
+                self._granted = self._fast = True  # nothing buffered now
         elif self._granted:
             self._granted = False
             native.revoke()
@@ -464,6 +489,7 @@ class NativeListener:
         self._ev_lost = constants.EV_LOST
         self._ev_thread_died = constants.EV_THREAD_DIED
         self._ev_eof = constants.EV_EOF
+        self._max_frame: int = constants.NATIVE_MAX_FRAME
         self._transports: dict[int, NativeTransport] = {}
         self._sock = sock
         self._accepting = False
@@ -540,6 +566,7 @@ class NativeListener:
             self._native, handle, self._loop, high=self._high, peername=peer, sockname=sockname
         )
         connection = NativeConnection(self._listener, self.on_agent)
+        connection.keeps_prefixes(self._max_frame)
         transport.set_protocol(connection)
         self._transports[handle] = transport
         try:

@@ -45,7 +45,7 @@ from tests.server.test_native_parser import limits, streams
 from tests.serving.test_connection import call_bytes
 from tests.support import native_model
 from tests.support.native_model import ModelListener, ModelRegistry
-from tests.support.serving import StepClock, ThriftReader, one_turn
+from tests.support.serving import ReplayedBytes, StepClock, ThriftReader, one_turn
 
 core: Any = native_core()
 LIMIT = 64 * 1024
@@ -358,6 +358,43 @@ def test_a_half_close_ends_the_stream_after_every_call_before_it_is_answered(
     seqids = [int.from_bytes(received[i + 18 : i + 22], "big") for i in range(0, len(received), 34)]
     assert seqids == list(range(calls))
     assert native.metrics.totals().exceptions == {}, "not a hang-up in the middle of a call"
+
+
+def test_a_client_whose_writes_end_mid_frame_is_served_natively_between_python_calls(
+    native: Native,
+) -> None:
+    """Each write ends in the middle of a frame, and every tenth call is Python's: once
+    Python has answered one, the start of the next frame is in its buffer, which no read
+    would ever leave empty; it goes to native with the lease (grant's prefix), else such a
+    client (any pipelining one) would never be served natively again."""
+    native.native.on_agent(b"alpha", "alpha")
+    conn, client = native.connect()
+    calls = 200
+    stream = b"".join(
+        call_bytes("get_layout", seqid, framed=True) if seqid % 10 == 5 else get_id("alpha", seqid)
+        for seqid in range(calls)
+    )
+    cut = len(get_id("alpha", 0)) * 3 // 2
+    received = bytearray()
+    client.setblocking(False)
+    for start in range(0, len(stream), cut):
+        client.sendall(stream[start : start + cut])
+        native.pump()
+        with contextlib.suppress(BlockingIOError):
+            while chunk := client.recv(65536):
+                received += chunk
+    for _ in range(10):
+        native.pump()
+        with contextlib.suppress(BlockingIOError):
+            while chunk := client.recv(65536):
+                received += chunk
+    client.setblocking(True)
+    reader = ThriftReader(ReplayedBytes(bytes(received)), framed=True)
+    got = [reader.reply() for _ in range(calls)]
+    assert [r[2] for r in got] == list(range(calls)), "every reply, in order"
+    ids = [r[3].success for r in got if r[0] == "get_id"]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    assert native.served(conn) >= 150, "native answered the get_ids between Python's calls"
 
 
 def test_bytes_on_their_way_to_python_keep_the_lease_from_being_granted(native: Native) -> None:

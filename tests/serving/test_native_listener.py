@@ -185,6 +185,33 @@ def test_a_partial_frame_is_kept_natively_then_completed(rig: Rig) -> None:
     assert rig.events() == []
 
 
+def test_a_grant_may_hand_native_the_start_of_a_frame_python_held(rig: Rig) -> None:
+    """Python received a frame's start (the client's write ended mid-frame): it goes with
+    the lease, kept as native's partial frame, if it can lead to a frame native serves."""
+    handle, peer = rig.adopt(lease=False)
+    peer.sendall(frame(1)[:9])
+    rig.step()
+    assert rig.events() == [(core.EV_DATA, handle, frame(1)[:9])]
+    for prefix in (frame(1)[:12] + b"xet_id", b"\x00\x00\x00\x05hello"[:6], b"\xff\xff"):
+        assert not rig.listener.grant(handle, 9, prefix), "one native could never serve"
+    assert rig.listener.partial(handle) == 0
+    long = frame(1, AGENT * 60)  # past the largest frame native serves
+    assert not rig.listener.grant(handle, 9, long[:200])
+    assert rig.listener.grant(handle, 9, frame(1)[:9])
+    assert not rig.listener.grant(handle, 9, frame(1)[:9]), "leased already: no second prefix"
+    assert rig.listener.partial(handle) == 9
+    peer.sendall(frame(1)[9:] + frame(2))
+    rig.step()
+    reply_ids(recv_exactly(peer, 2 * REPLY), [1, 2])
+    assert rig.events() == [] and rig.listener.forwarded(handle) == 9
+    # Given back, its bytes are forwarded again (Python took them once already).
+    peer.sendall(frame(3)[:12])
+    rig.step()
+    rig.listener.revoke(handle)
+    assert rig.events() == [(core.EV_DATA, handle, frame(3)[:12])]
+    assert rig.listener.forwarded(handle) == 21
+
+
 def test_an_unknown_agent_gives_the_lease_back_at_its_frame(rig: Rig) -> None:
     handle, peer = rig.adopt()
     unknown = frame(3, b"stranger")

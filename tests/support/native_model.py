@@ -235,11 +235,18 @@ class ModelListener:
             c.writable = False  # Python pauses itself (asyncio's contract): no event
         return len(c.out), became_paused
 
-    def grant(self, handle: int, consumed: int) -> bool:
+    def grant(self, handle: int, consumed: int, prefix: bytes = b"") -> bool:
         c = self._conn(handle)
         if c is None or c.lost or c.closing or c.eof or c.inbuf or consumed != c.forwarded:
             return False
+        if prefix and (
+            c.leased
+            or len(prefix) > NATIVE_MAX_FRAME
+            or scan_prefix(prefix, self._limit)[0] != NEED_MORE
+        ):
+            return False  # kept only if it can lead to a frame native serves
         c.leased = True
+        c.inbuf += prefix
         return True
 
     def revoke(self, handle: int) -> None:

@@ -29,7 +29,7 @@ from snowflake_server._thrift.processor import Processor, service_methods
 from snowflake_server._thrift.protocol import ThriftProtocol
 from tests.support.fakes import FakeTransport
 
-__all__ = ["Driven", "StepClock", "ThriftReader", "one_turn"]
+__all__ = ["Driven", "ReplayedBytes", "StepClock", "ThriftReader", "one_turn"]
 
 
 class StepClock:
@@ -71,7 +71,7 @@ def one_turn(loop: asyncio.AbstractEventLoop) -> None:
 
 
 class ThriftReader:
-    """Reads Thrift replies off anything with ``recv`` (a socket, :class:`_Bytes`)."""
+    """Reads Thrift replies off anything with ``recv`` (a socket, :class:`ReplayedBytes`)."""
 
     def __init__(self, sock: Any, framed: bool) -> None:
         self._sock = sock
@@ -105,7 +105,7 @@ class ThriftReader:
         return name, mtype, seqid, result
 
 
-class _Bytes:
+class ReplayedBytes:
     """recv() over fixed bytes, for :class:`ThriftReader`."""
 
     def __init__(self, data: bytes) -> None:
@@ -195,7 +195,7 @@ class Driven:
 
     def replies(self) -> list[tuple[str, int, int, Any]]:
         """The Thrift replies written since the last look."""
-        reader = ThriftReader(_Bytes(self.written()), self.framed)
+        reader = ThriftReader(ReplayedBytes(self.written()), self.framed)
         out = []
         while True:
             try:
