@@ -488,13 +488,17 @@ class Connection(asyncio.Protocol):
 
     def _fast_if_unbuffered(self) -> bool:
         """The protocol's fast path would apply now, but for the bytes buffered."""
+        return self.credit > 0 and self._fast_if_paid()
+
+    def _fast_if_paid(self) -> bool:
+        """The protocol's fast path would apply now, but for the bytes buffered and the
+        connection's credit."""
         return (
             self._fast_reply is not None
             and self._held is None
             and self._backoff is None
             and not (self._inbox or self._busy or self._closing or self._draining)
             and not self._waiting
-            and self.credit > 0
             and self._writable
         )
 

@@ -360,6 +360,7 @@ class NativeConnection(Connection):
         self._granted = False  # the lease was granted and no byte has come back since
         self._consumed = 0  # bytes received from the transport, in all
         self._need_more = False  # what the protocol buffers is a request's start only
+        self._had_turn = False  # it has had credit once: its first requests were paced
         self._max_prefix = 0  # the most of one that native would keep (its frame size)
 
     @property
@@ -401,6 +402,7 @@ class NativeConnection(Connection):
 
     def _after_serving(self, need_more: bool) -> None:
         self._need_more = need_more  # what is buffered is the start of a request, no more
+        self._had_turn = True  # served at a turn (or with credit given at one)
         super()._after_serving(need_more)
 
     def _update_lease(self) -> None:
@@ -408,18 +410,28 @@ class NativeConnection(Connection):
         if native is None:
             return
         buf = self._buf
-        if self._eligible and (
-            self._fast or (buf and self._need_more and self._fast_if_unbuffered())
+        # Not the credit: what native answers costs the loop nothing, and every frame it
+        # gives back is Python's, priced and paced by the turns as ever; a connection that
+        # owes waits for its turn for those, not for the get_ids native answers. (Priced by
+        # the loop's wall time, a loaded machine left most connections owing after each
+        # Python-served call: native never served them.) But its first turn first: a new
+        # connection's first requests are paced by the queue.
+        ready = self._had_turn and self._fast_if_paid()
+        if (
+            self._eligible
+            and ready
+            and (not buf or (self._need_more and len(buf) <= self._max_prefix))
         ):
             if self._granted:
                 return
             if not buf:
                 self._granted = native.grant(self._consumed)
-            elif len(buf) <= self._max_prefix and native.grant(self._consumed, bytes(buf)):
+            elif native.grant(self._consumed, bytes(buf)):
                 # A client whose writes end mid-frame (pipelining): the frame's start goes
                 # to native with the lease, or no read would ever leave Python's buffer empty.
                 buf.clear()
-                self._granted = self._fast = True  # nothing buffered now
+                self._granted = True
+                self._fast = self._fast_if_unbuffered()  # nothing buffered now
         elif self._granted:
             self._granted = False
             native.revoke()

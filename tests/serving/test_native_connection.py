@@ -98,7 +98,8 @@ class Native:
             self.machine.set_state(generator.native_state)
             constants = core
         self.metrics = ServiceMetrics(self.generator, service_methods(), max_agents=8)
-        self.turns = TurnQueue(self.loop, quantum_s=QUANTUM, budget_s=1000.0, clock=StepClock())
+        self.clock = StepClock()
+        self.turns = TurnQueue(self.loop, quantum_s=QUANTUM, budget_s=1000.0, clock=self.clock)
         self.shared = Shared(
             loop=self.loop, metrics=self.metrics, executor=ThreadPoolExecutor(1), turns=self.turns
         )
@@ -395,6 +396,24 @@ def test_a_client_whose_writes_end_mid_frame_is_served_natively_between_python_c
     ids = [r[3].success for r in got if r[0] == "get_id"]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
     assert native.served(conn) >= 150, "native answered the get_ids between Python's calls"
+
+
+def test_a_connection_that_owes_the_loop_is_still_served_natively_after_its_turn(
+    native: Native,
+) -> None:
+    """Native's answers cost the loop nothing: a connection whose Python-served call cost
+    more than its credit (a loaded machine prices by wall time) is leased again once that
+    call is answered; only what it hands Python waits for its turns."""
+    native.native.on_agent(b"alpha", "alpha")
+    conn, client = native.connect()
+    native.clock.step = 10 * QUANTUM  # every Python-served call costs ten quanta
+    client.sendall(call_bytes("get_layout", 1, framed=True))
+    native.pump()
+    assert [r[2] for r in replies(client, 1)] == [1] and conn.credit <= 0, "it owes"
+    client.sendall(b"".join(get_id("alpha", seqid) for seqid in range(2, 12)))
+    native.pump()
+    assert [r[2] for r in replies(client, 10)] == list(range(2, 12))
+    assert native.served(conn) == 10, "native answered them, owing or not"
 
 
 def test_bytes_on_their_way_to_python_keep_the_lease_from_being_granted(native: Native) -> None:
