@@ -319,7 +319,8 @@ test-fast: install prometheus-tools
 # must not swallow a report written to file descriptor 2 by a process the sanitizer stops).
 NATIVE_TESTS   ?= tests/server/test_native_generator.py tests/server/test_generator.py \
 	tests/server/test_native_parser.py tests/serving/test_native_listener.py \
-	tests/serving/test_native_connection.py tests/server/test_native_hybrid_serving.py
+	tests/serving/test_native_connection.py tests/serving/test_native_model.py \
+	tests/server/test_native_hybrid_serving.py
 SANITIZE_BUILD ?= build/sanitize
 NATIVE_SRC     := snowflake_server/_native/_core.c snowflake_server/_native/_listener.c
 PY_INCLUDE      = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')

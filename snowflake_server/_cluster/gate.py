@@ -172,7 +172,11 @@ class SessionGate:
     def attach(self, state: GeneratorState | None) -> None:
         """Keep ``state``'s gate (a worker's native generator state) the copy of this
         one's from now on, starting with the deadline now; None: stop (``state`` keeps
-        the last copy: close the gate before detaching it)."""
+        the last copy: close the gate before detaching it).
+
+        Native threads compare the copy with CLOCK_BOOTTIME, so only a gate on the default
+        clock may feed threads that serve: the node turns native serving off when a clock
+        is injected, and tests that attach a gate on a fake clock only read the copy."""
         with self._lock:
             self._native = state
         self._copy()

@@ -194,6 +194,31 @@ sf_ev_take(sf_listener *l)
     return e;
 }
 
+/* Put taken events back in front of any queued since, oldest first: the caller could not
+ * hand them over (out of memory building the list) and an event lost would be a stream
+ * corrupted or a connection never freed. */
+static void
+sf_ev_untake(sf_listener *l, sf_event *taken)
+{
+    if (taken == NULL) {
+        return;
+    }
+    sf_event *last = taken;
+    while (last->next != NULL) {
+        last = last->next;
+    }
+    pthread_mutex_lock(&l->ev_mu);
+    last->next = l->ev_head;
+    if (l->ev_tail == NULL) {
+        l->ev_tail = last;
+    }
+    l->ev_head = taken;
+    uint64_t one = 1;
+    ssize_t w = write(l->evfd, &one, sizeof one);
+    (void)w; /* readable again: Python retries on its next turn */
+    pthread_mutex_unlock(&l->ev_mu);
+}
+
 /* ---- one connection (its mu held) ----------------------------------------------------- */
 
 static void
@@ -597,24 +622,25 @@ sf_cmd_grant(sf_listener *l, sf_conn *c, uint64_t consumed, const uint8_t *prefi
     /* prefix: the start of a frame Python received and cannot answer yet (a client whose
      * writes end mid-frame): native keeps it as the lease's partial frame, if it could
      * lead to a frame native serves; its bytes, given back, are forwarded again. */
-    if (n) {
-        sf_frame m;
-        if (c->leased || n > SF_NATIVE_MAX_FRAME ||
-            sf_scan_prefix(prefix, n, l->limit, &m) != SF_NEED_MORE) {
-            return 0;
-        }
-    }
-    if (!c->leased && c->fd >= 0 && !c->closing && !c->lost && !c->eof &&
-        consumed == c->forwarded && c->in_len == 0) {
+    int held;
+    sf_frame m;
+    if (n && (c->leased || n > SF_NATIVE_MAX_FRAME ||
+              sf_scan_prefix(prefix, n, l->limit, &m) != SF_NEED_MORE)) {
+        held = 0;
+    } else if (!c->leased && c->fd >= 0 && !c->closing && !c->lost && !c->eof &&
+               consumed == c->forwarded && c->in_len == 0) {
         c->leased = 1;
         if (n) {
             memcpy(c->in, prefix, n);
             c->in_len = n;
         }
-        sf_conn_update(l, c);
-        return 1;
+        held = 1;
+    } else {
+        held = c->leased && consumed == c->forwarded && n == 0;
     }
-    return c->leased && consumed == c->forwarded && n == 0;
+    /* Granted or not, the count it recorded may let a stopped connection be read again. */
+    sf_conn_update(l, c);
+    return held;
 }
 
 static void

@@ -1169,33 +1169,38 @@ Listener_take_events(Listener *self, PyObject *Py_UNUSED(ignored))
     if (listener_usable(self) < 0) {
         return NULL;
     }
-    sf_event *e = sf_ev_take(self->l);
+    /* All or nothing: the events are freed only once the list holds every one. */
+    sf_event *taken = sf_ev_take(self->l);
     PyObject *list = PyList_New(0);
-    while (e != NULL) {
-        sf_event *next = e->next;
-        if (list != NULL) {
-            PyObject *item;
-            switch (e->kind) {
-            case SF_EV_DATA:
-                item = Py_BuildValue("(iKy#)", e->kind, (unsigned long long)e->handle,
-                                     (const char *)e->data, (Py_ssize_t)e->len);
-                break;
-            case SF_EV_WRITABLE:
-                item = Py_BuildValue("(iKO)", e->kind, (unsigned long long)e->handle,
-                                     e->value ? Py_True : Py_False);
-                break;
-            default:
-                item = Py_BuildValue("(iKL)", e->kind, (unsigned long long)e->handle,
-                                     (long long)e->value);
-                break;
-            }
-            if (item == NULL || PyList_Append(list, item) < 0) {
-                Py_CLEAR(list);
-            }
-            Py_XDECREF(item);
+    for (sf_event *e = taken; e != NULL && list != NULL; e = e->next) {
+        PyObject *item;
+        switch (e->kind) {
+        case SF_EV_DATA:
+            item = Py_BuildValue("(iKy#)", e->kind, (unsigned long long)e->handle,
+                                 (const char *)e->data, (Py_ssize_t)e->len);
+            break;
+        case SF_EV_WRITABLE:
+            item = Py_BuildValue("(iKO)", e->kind, (unsigned long long)e->handle,
+                                 e->value ? Py_True : Py_False);
+            break;
+        default:
+            item = Py_BuildValue("(iKL)", e->kind, (unsigned long long)e->handle,
+                                 (long long)e->value);
+            break;
         }
-        free(e);
-        e = next;
+        if (item == NULL || PyList_Append(list, item) < 0) {
+            Py_CLEAR(list);
+        }
+        Py_XDECREF(item);
+    }
+    if (list == NULL) {
+        sf_ev_untake(self->l, taken);
+        return NULL;
+    }
+    while (taken != NULL) {
+        sf_event *next = taken->next;
+        free(taken);
+        taken = next;
     }
     return list;
 }

@@ -339,6 +339,18 @@ def test_a_leaseless_connection_is_not_read_past_forward_high_until_python_consu
     assert rig.events() == [(core.EV_DATA, handle, b"x" * 1000)]
 
 
+def test_a_refused_grant_still_counts_what_python_consumed(request: pytest.FixtureRequest) -> None:
+    rig = make_rig(request, forward_high=100)
+    handle, peer = rig.adopt(lease=False)
+    peer.sendall(b"x" * (core.NATIVE_READ + 10))
+    rig.step()
+    assert rig.events() == [(core.EV_DATA, handle, b"x" * core.NATIVE_READ)]
+    # A prefix native would never serve: refused, but the count holds, as consume()'s.
+    assert not rig.listener.grant(handle, core.NATIVE_READ, b"\x00\x00\x00\x00")
+    rig.step()
+    assert rig.events() == [(core.EV_DATA, handle, b"x" * 10)]
+
+
 class PythonSide:
     """The part of the Python shim these tests need: serves what native hands over (with
     the same generator, from Python: a native SLOW, an exhausted ms, is a handover too) and
@@ -674,6 +686,35 @@ def test_the_events_fd_is_readable_exactly_while_events_are_queued(rig: Rig) -> 
     assert readable()
     assert rig.events() == [(core.EV_DATA, handle, b"a"), (core.EV_DATA, handle, b"b")]
     assert not readable()
+
+
+def test_events_that_take_events_could_not_hand_over_stay_queued_in_order(rig: Rig) -> None:
+    """Out of memory while building the list: a lost EV_DATA would corrupt a stream and a
+    lost EV_LOST leave a slot never freed, so every event stays queued, and readable."""
+    testcapi = pytest.importorskip("_testcapi")
+    handle, peer = rig.adopt(lease=False)
+    fd = rig.listener.events_fd
+    failures = 0
+    for start in range(40):
+        sent = [bytes([65 + start % 26]) * (k + 1) for k in range(3)]
+        for chunk in sent:
+            peer.sendall(chunk)
+            rig.step()
+        testcapi.set_nomemory(start)
+        try:
+            events = rig.listener.take_events()
+        except MemoryError:
+            events = None
+        finally:
+            testcapi.remove_mem_hooks()
+        if events is None:
+            failures += 1
+            assert select.select([fd], [], [], 0)[0]
+            events = rig.events()
+        assert events == [(core.EV_DATA, handle, chunk) for chunk in sent]
+        if failures and start > failures + 5:
+            break
+    assert failures
 
 
 def test_step_mode_and_thread_mode_refuse_each_other(rig: Rig) -> None:

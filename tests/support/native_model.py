@@ -237,7 +237,12 @@ class ModelListener:
 
     def grant(self, handle: int, consumed: int, prefix: bytes = b"") -> bool:
         c = self._conn(handle)
-        if c is None or c.lost or c.closing or c.eof or c.inbuf or consumed != c.forwarded:
+        if c is None:
+            return False
+        c.consumed = max(c.consumed, consumed)  # a grant says what consume() says
+        if c.leased and not prefix:
+            return consumed == c.forwarded  # held already (C's decision: True again)
+        if c.lost or c.closing or c.eof or c.inbuf or consumed != c.forwarded:
             return False
         if prefix and (
             c.leased
@@ -257,7 +262,7 @@ class ModelListener:
     def consume(self, handle: int, consumed: int) -> None:
         c = self._conn(handle)
         if c is not None:
-            c.consumed = consumed
+            c.consumed = max(c.consumed, consumed)
 
     def reading(self, handle: int, on: bool) -> None:
         c = self._conn(handle)
@@ -267,9 +272,11 @@ class ModelListener:
     def close(self, handle: int) -> None:
         c = self._conn(handle)
         if c is not None and not c.lost and not c.closing:
-            c.closing = "flush"  # done by the next step, as the owner thread would
+            c.closing = "flush"  # with bytes out: done by a step once they are sent
             c.leased = False
             c.inbuf.clear()  # a kept partial frame is dropped, not posted
+            if not c.out:
+                self._finish_close(handle, c)  # nothing to send: at once, as C does
 
     def abort(self, handle: int) -> None:
         c = self._conn(handle)
