@@ -12,6 +12,7 @@ import shutil
 import signal
 import ssl
 import subprocess
+import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -696,9 +697,16 @@ def test_the_supervisors_processes_get_sighup_when_its_web_configuration_fails(
     supervisor = Supervisor(settings_, admin=admin)
     child = Child(0, settings_, configured_origin(settings_))
     supervisor.adopt(child)
-    process = subprocess.Popen(["sleep", "60"])
-    child.process = process  # type: ignore[assignment]
+    # A child that SIGHUP ends even under nohup (which leaves it ignored for whatever the
+    # run starts): the default action restored, and said so, before the reload.
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGHUP, "
+         "signal.SIG_DFL); print('ready', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    child.process = process
     try:
+        assert process.stdout is not None and process.stdout.readline() == "ready\n"
         Path(path).write_text(TLS + "  min_version: [TLS12]\n", encoding="utf-8")
         supervisor.reload()
         assert process.wait(5) == -signal.SIGHUP
@@ -706,6 +714,8 @@ def test_the_supervisors_processes_get_sighup_when_its_web_configuration_fails(
     finally:
         process.kill()
         process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
         admin.stop()
 
 

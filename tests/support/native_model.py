@@ -437,7 +437,7 @@ class ModelListener:
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError as e:
-                self._lose(handle, c, e.errno or errnos.EIO)
+                self._hang_up(handle, c, e.errno or errnos.EIO)
                 return
             del c.out[:sent]
         if not post:
@@ -450,7 +450,7 @@ class ModelListener:
             self._post(EV_WRITABLE, handle, True)
 
     def _hang_up(self, handle: int, c: _Conn, error: int) -> None:
-        """A read error: the lease's bytes go to Python, then the close."""
+        """A read or send error: the lease's bytes go to Python, then the close."""
         if c.leased:
             self._give_back(handle, c, 0, None)
         self._lose(handle, c, error)
