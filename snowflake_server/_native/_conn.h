@@ -786,12 +786,7 @@ sf_adopt(sf_listener *l, int fd)
     struct epoll_event e = {.events = 0, .data.u64 = handle};
     if (epoll_ctl(l->threads[thread].epfd, EPOLL_CTL_ADD, fd, &e) < 0) {
         err = errno;
-        c->fd = -1;
-        c->in_use = 0;
-        pthread_mutex_unlock(&c->mu);
-        close(fd);
-        sf_slot_release(l, slot);
-        return -err;
+        goto unadopt;
     }
     c->registered = 1;
     if (atomic_load_explicit(&l->threads[thread].dead, memory_order_acquire)) {
@@ -801,15 +796,19 @@ sf_adopt(sf_listener *l, int fd)
          * adoption took after, so a death it missed is seen here. */
         epoll_ctl(l->threads[thread].epfd, EPOLL_CTL_DEL, fd, NULL);
         c->registered = 0;
-        c->fd = -1;
-        c->in_use = 0;
-        pthread_mutex_unlock(&c->mu);
-        close(fd);
-        sf_slot_release(l, slot);
-        return -EIO;
+        err = EIO;
+        goto unadopt;
     }
     pthread_mutex_unlock(&c->mu);
     return (int64_t)handle;
+
+unadopt: /* the slot free again, the fd closed (adopt owns it from the call on) */
+    c->fd = -1;
+    c->in_use = 0;
+    pthread_mutex_unlock(&c->mu);
+    close(fd);
+    sf_slot_release(l, slot);
+    return -err;
 }
 
 /* ---- the loop ------------------------------------------------------------------------- */

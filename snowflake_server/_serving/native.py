@@ -231,9 +231,7 @@ class NativeTransport(asyncio.Transport):
         byte it forwarded reached the protocol (``consumed``) and it holds none. ``prefix``:
         the start of a frame the protocol holds, for native to keep as the lease's partial
         frame (refused, no lease, unless it can lead to a frame native serves)."""
-        if prefix:
-            return self._native.grant(self._handle, consumed, prefix)
-        return self._native.grant(self._handle, consumed)
+        return self._native.grant(self._handle, consumed, prefix)
 
     def revoke(self) -> None:
         """Take the lease back: the bytes of a frame native kept come as data."""
@@ -351,8 +349,14 @@ class NativeConnection(Connection):
     answers and kept bytes taken into the deadlines."""
 
     def __init__(
-        self, listener: Listener, on_agent: Callable[[bytes, str], object] | None = None
+        self,
+        listener: Listener,
+        on_agent: Callable[[bytes, str], object] | None = None,
+        *,
+        max_prefix: int = 0,
     ) -> None:
+        """``max_prefix``: the most of a frame's start handed to native with the lease (its
+        largest frame; 0: never)."""
         super().__init__(listener)
         self._on_agent = on_agent
         self._native: NativeTransport | None = None
@@ -361,7 +365,7 @@ class NativeConnection(Connection):
         self._consumed = 0  # bytes received from the transport, in all
         self._need_more = False  # what the protocol buffers is a request's start only
         self._had_turn = False  # it has had credit once: its first requests were paced
-        self._max_prefix = 0  # the most of one that native would keep (its frame size)
+        self._max_prefix = max_prefix
 
     @property
     def native_transport(self) -> NativeTransport | None:
@@ -394,11 +398,6 @@ class NativeConnection(Connection):
     def _update_fast(self) -> None:
         super()._update_fast()
         self._update_lease()
-
-    def keeps_prefixes(self, max_frame: int) -> None:
-        """Hand native the start of a frame with the lease, up to ``max_frame`` bytes (its
-        largest frame; 0: never)."""
-        self._max_prefix = max_frame
 
     def _after_serving(self, need_more: bool) -> None:
         self._need_more = need_more  # what is buffered is the start of a request, no more
@@ -577,8 +576,7 @@ class NativeListener:
         transport = NativeTransport(
             self._native, handle, self._loop, high=self._high, peername=peer, sockname=sockname
         )
-        connection = NativeConnection(self._listener, self.on_agent)
-        connection.keeps_prefixes(self._max_frame)
+        connection = NativeConnection(self._listener, self.on_agent, max_prefix=self._max_frame)
         transport.set_protocol(connection)
         self._transports[handle] = transport
         try:

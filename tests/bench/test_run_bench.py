@@ -320,19 +320,28 @@ def test_pinning_moves_every_thread_of_a_server_and_back(
         server.stop()
 
 
+def _quick_run(
+    servers: str, build: Path, out: Path, capsys: pytest.CaptureFixture[str]
+) -> tuple[Path, dict[str, Any]]:
+    """A quick run of ``servers`` (0.1 s per configuration, no idle measurement): its
+    results folder and its JSON report."""
+    code = run_bench.main(
+        ["--quick", "--servers", servers, "--seconds", "0.1", "--idle", "0",
+         "--build", str(build), "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    [folder] = [p for p in out.iterdir() if p.is_dir()]
+    report: dict[str, Any] = json.loads((folder / "results.json").read_text())
+    return folder, report
+
+
 def test_a_whole_run_on_the_floor(
     loadgen_binary: Path, floor_binary: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A short run on the floor alone: get_id only (it serves nothing else), pinned too,
     on a second floor started on the server's CPU."""
     assert loadgen_binary.parent == floor_binary.parent
-    code = run_bench.main(
-        ["--quick", "--servers", "floor", "--seconds", "0.1", "--idle", "0",
-         "--build", str(loadgen_binary.parent), "--out", str(tmp_path)]
-    )  # fmt: skip
-    assert code == 0, capsys.readouterr().err
-    [folder] = [p for p in tmp_path.iterdir() if p.is_dir()]
-    report = json.loads((folder / "results.json").read_text())
+    folder, report = _quick_run("floor", loadgen_binary.parent, tmp_path, capsys)
     keys = {(run["server"], run["key"]) for run in report["runs"]}
     assert keys == {("floor", f"get_id x{n}") for n in (1, 4, 16, 64)} | {
         ("floor", f"get_id x{n} pinned") for n in (16, 64)
@@ -367,15 +376,9 @@ def test_a_whole_run(
     loadgen_binary: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A short run of every configuration on old alone: the report and the JSON."""
-    code = run_bench.main(
-        ["--quick", "--servers", "old", "--seconds", "0.1", "--idle", "0",
-         "--build", str(loadgen_binary.parent), "--out", str(tmp_path)]
-    )  # fmt: skip
-    assert code == 0, capsys.readouterr().err
-    [folder] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    folder, report = _quick_run("old", loadgen_binary.parent, tmp_path, capsys)
     text = (folder / "results.md").read_text()
     assert "## Targets" in text and "| 64 | old |" in text and "| 2 | old |" in text
-    report = json.loads((folder / "results.json").read_text())
     keys = {(run["server"], run["key"]) for run in report["runs"]}
     assert keys == (
         {("old", f"get_id x{n}") for n in (1, 4, 16, 64)}
@@ -398,13 +401,7 @@ def test_a_whole_run_of_ours_native_and_pure(
 ) -> None:
     """ours and ours-pure side by side, pinned too (ours on a second server started on the
     server's CPU): the report says how many native threads each ran and what they answered."""
-    code = run_bench.main(
-        ["--quick", "--servers", "ours,ours-pure", "--seconds", "0.1", "--idle", "0",
-         "--build", str(loadgen_binary.parent), "--out", str(tmp_path)]
-    )  # fmt: skip
-    assert code == 0, capsys.readouterr().err
-    [folder] = [p for p in tmp_path.iterdir() if p.is_dir()]
-    report = json.loads((folder / "results.json").read_text())
+    folder, report = _quick_run("ours,ours-pure", loadgen_binary.parent, tmp_path, capsys)
     keys = {(run["server"], run["key"]) for run in report["runs"]}
     assert {("ours", "get_id x64 pinned"), ("ours-pure", "get_id x64 pinned")} <= keys
     assert report["meta"]["pinned_twins"] == {"ours": 1}
